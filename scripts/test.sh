@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Every check CI runs: formatting, lints, and all tests against a real Postgres
+# (DATABASE_URL, provided by scripts/with-postgres.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --locked --no-fail-fast
+else
+  echo "cargo-nextest not found; using cargo test (install it: cargo install cargo-nextest --locked)" >&2
+  cargo test --workspace --locked --no-fail-fast
+fi

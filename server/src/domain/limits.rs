@@ -1,0 +1,92 @@
+use std::time::Duration;
+
+use super::InvalidField;
+
+/// The server's policy on lifetimes and sizes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    pub default_ttl: Duration,
+    pub max_ttl: Duration,
+    pub default_lease: Duration,
+    pub max_lease: Duration,
+    /// Largest stored response: body plus header names and values.
+    pub max_response_bytes: usize,
+}
+
+/// Below a second a lease or lifetime is more likely a unit mistake than an intent.
+const MIN_DURATION: Duration = Duration::from_secs(1);
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            default_ttl: Duration::from_secs(24 * 60 * 60),
+            max_ttl: Duration::from_secs(7 * 24 * 60 * 60),
+            default_lease: Duration::from_secs(60),
+            max_lease: Duration::from_secs(60 * 60),
+            max_response_bytes: 1024 * 1024,
+        }
+    }
+}
+
+impl Limits {
+    /// The record lifetime to use: the request's, or the default.
+    pub fn ttl(&self, field: &str, requested: Option<Duration>) -> Result<Duration, InvalidField> {
+        within(field, requested.unwrap_or(self.default_ttl), self.max_ttl)
+    }
+
+    /// The lease to use: the request's, or the default.
+    pub fn lease(
+        &self,
+        field: &str,
+        requested: Option<Duration>,
+    ) -> Result<Duration, InvalidField> {
+        within(
+            field,
+            requested.unwrap_or(self.default_lease),
+            self.max_lease,
+        )
+    }
+}
+
+fn within(field: &str, value: Duration, max: Duration) -> Result<Duration, InvalidField> {
+    if value < MIN_DURATION || value > max {
+        return Err(InvalidField::new(
+            field,
+            format!(
+                "must lie in [1s, {}], got {}",
+                humantime::format_duration(max),
+                humantime::format_duration(value)
+            ),
+        ));
+    }
+    Ok(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_apply_when_absent() {
+        let limits = Limits::default();
+        assert_eq!(limits.ttl("ttl", None).unwrap(), Duration::from_secs(86400));
+        assert_eq!(
+            limits.lease("lease", None).unwrap(),
+            Duration::from_secs(60)
+        );
+    }
+
+    #[test]
+    fn bounds_are_inclusive() {
+        let limits = Limits::default();
+        assert!(limits.ttl("ttl", Some(Duration::from_secs(1))).is_ok());
+        assert!(limits.ttl("ttl", Some(limits.max_ttl)).is_ok());
+        assert!(limits.ttl("ttl", Some(Duration::ZERO)).is_err());
+        assert!(limits.ttl("ttl", Some(Duration::from_millis(999))).is_err());
+        let over = limits.max_lease + Duration::from_secs(1);
+        assert_eq!(
+            limits.lease("lease", Some(over)).unwrap_err().field,
+            "lease"
+        );
+    }
+}

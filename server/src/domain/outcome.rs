@@ -1,0 +1,76 @@
+use std::time::Duration;
+
+use super::{FencingToken, Fingerprint, RecordId, StoredResponse, Timestamp};
+
+/// Exactly one answer to an Acquire. Expected outcomes are values, not errors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AcquireOutcome {
+    /// The caller holds the key and must run its business logic.
+    Acquired {
+        fencing_token: FencingToken,
+        lease_expires_at: Timestamp,
+        expires_at: Timestamp,
+    },
+    /// Another attempt holds a live lease.
+    InProgress {
+        lease_expires_at: Timestamp,
+        retry_after: Duration,
+    },
+    /// A previous attempt completed; replay its response.
+    Completed {
+        response: StoredResponse,
+        completed_at: Timestamp,
+    },
+    /// A previous attempt failed terminally; replay its error.
+    Failed {
+        error_response: StoredResponse,
+        failed_at: Timestamp,
+    },
+    /// The key was first used with another request.
+    FingerprintMismatch,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordState {
+    InProgress,
+    Completed,
+    Failed,
+    Released,
+}
+
+impl RecordState {
+    /// The spelling stored in the `state` column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InProgress => "in_progress",
+            Self::Completed => "completed",
+            Self::Failed => "failed",
+            Self::Released => "released",
+        }
+    }
+
+    pub fn from_stored(value: &str) -> Option<Self> {
+        Some(match value {
+            "in_progress" => Self::InProgress,
+            "completed" => Self::Completed,
+            "failed" => Self::Failed,
+            "released" => Self::Released,
+            _ => return None,
+        })
+    }
+}
+
+/// A live record as Get returns it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub id: RecordId,
+    pub state: RecordState,
+    pub fingerprint: Fingerprint,
+    pub fencing_token: FencingToken,
+    pub created_at: Timestamp,
+    pub expires_at: Timestamp,
+    pub lease_expires_at: Option<Timestamp>,
+    pub completed_at: Option<Timestamp>,
+    /// The stored response (completed) or error response (failed).
+    pub response: Option<StoredResponse>,
+}

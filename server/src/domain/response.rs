@@ -1,0 +1,89 @@
+use std::collections::BTreeMap;
+
+use super::InvalidField;
+
+/// A response kept for replay: status, body and headers, byte for byte.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StoredResponse {
+    pub status_code: u32,
+    pub body: Vec<u8>,
+    /// Sorted, so that equality and storage do not depend on arrival order.
+    pub headers: BTreeMap<String, String>,
+}
+
+impl StoredResponse {
+    /// Bytes counted against the response size limit: body plus every header name and value.
+    pub fn size(&self) -> usize {
+        self.body.len()
+            + self
+                .headers
+                .iter()
+                .map(|(name, value)| name.len() + value.len())
+                .sum::<usize>()
+    }
+
+    /// Checks what the store cannot hold and what the limit forbids.
+    pub fn validate(&self, field: &str, max_bytes: usize) -> Result<(), InvalidField> {
+        // Stored in a Postgres integer column.
+        if i32::try_from(self.status_code).is_err() {
+            return Err(InvalidField::new(
+                format!("{field}.status_code"),
+                format!("must be at most {}", i32::MAX),
+            ));
+        }
+        // Postgres jsonb cannot hold NUL; refusing it here keeps it a client error.
+        if self
+            .headers
+            .iter()
+            .any(|(name, value)| name.contains('\0') || value.contains('\0'))
+        {
+            return Err(InvalidField::new(
+                format!("{field}.headers"),
+                "header names and values must not contain NUL",
+            ));
+        }
+        let size = self.size();
+        if size > max_bytes {
+            return Err(InvalidField::new(
+                field,
+                format!("is {size} bytes (body plus headers); the limit is {max_bytes} bytes"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn size_counts_body_and_headers() {
+        let response = StoredResponse {
+            status_code: 201,
+            body: vec![0; 10],
+            headers: BTreeMap::from([("ab".into(), "cde".into())]),
+        };
+        assert_eq!(response.size(), 15);
+        assert!(response.validate("response", 15).is_ok());
+        let error = response.validate("response", 14).unwrap_err();
+        assert_eq!(error.field, "response");
+        assert!(
+            error.description.contains("14 bytes"),
+            "{}",
+            error.description
+        );
+    }
+
+    #[test]
+    fn nul_in_headers_is_refused() {
+        let response = StoredResponse {
+            headers: BTreeMap::from([("a".into(), "b\0".into())]),
+            ..Default::default()
+        };
+        assert_eq!(
+            response.validate("response", 100).unwrap_err().field,
+            "response.headers"
+        );
+    }
+}

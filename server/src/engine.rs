@@ -1,0 +1,296 @@
+//! The rules: acquire, complete, fail, renew, get; leases and fencing.
+//! The store runs one guarded statement per call; when it matches no row,
+//! the engine reads the record and explains why, in this order: absent or
+//! expired (not found), stale token (aborted), then the record's state.
+
+use std::time::Duration;
+
+use crate::{
+    domain::{
+        AcquireOutcome, FencingToken, Fingerprint, Limits, Record, RecordId, RecordState,
+        StoredResponse, Timestamp,
+    },
+    error::Error,
+    store::{RecordRow, Store, StoreError},
+};
+
+/// Longest `retry_after` hint: most attempts finish long before their lease ends.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// How often a guarded statement is re-run when the record changed between
+/// the statement and the read that explains it (cleanup, a lease passing).
+/// Each retry needs another such change inside one round trip.
+const ATTEMPTS: usize = 3;
+
+/// What Acquire asks for, already parsed.
+#[derive(Debug, Clone)]
+pub struct AcquireRequest {
+    pub id: RecordId,
+    pub fingerprint: Fingerprint,
+    pub ttl: Option<Duration>,
+    pub lease: Option<Duration>,
+}
+
+/// How an attempt ends without success.
+#[derive(Debug, Clone)]
+pub enum Failure {
+    /// Give the key back for another attempt.
+    Retryable,
+    /// Store this error response for replay.
+    Terminal(StoredResponse),
+}
+
+/// The lease after a renewal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseTimes {
+    pub lease_expires_at: Timestamp,
+    pub expires_at: Timestamp,
+}
+
+#[derive(Debug, Clone)]
+pub struct Engine {
+    store: Store,
+    limits: Limits,
+}
+
+impl Engine {
+    pub fn new(store: Store, limits: Limits) -> Self {
+        Self { store, limits }
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    pub async fn acquire(&self, request: AcquireRequest) -> Result<AcquireOutcome, Error> {
+        let ttl = self.limits.ttl("ttl", request.ttl)?;
+        let lease = self.limits.lease("lease", request.lease)?;
+        let AcquireRequest {
+            id, fingerprint, ..
+        } = request;
+        for _ in 0..ATTEMPTS {
+            if let Some(row) = self
+                .store
+                .try_acquire(&id, &fingerprint, ttl, lease)
+                .await?
+            {
+                return Ok(AcquireOutcome::Acquired {
+                    fencing_token: row.fencing_token as FencingToken,
+                    lease_expires_at: row.lease_expires_at,
+                    expires_at: row.expires_at,
+                });
+            }
+            // Not taken: read why. The common replay path costs this second round trip.
+            let Some(row) = self.store.read(&id).await?.filter(|row| !row.is_expired()) else {
+                continue; // Expired or reaped since the statement: try again.
+            };
+            // The fingerprint wins over every state.
+            if row.fingerprint().conflicts_with(&fingerprint) {
+                return Ok(AcquireOutcome::FingerprintMismatch);
+            }
+            match row.state()? {
+                RecordState::InProgress if row.lease_is_live() => {
+                    return Ok(in_progress(&row));
+                }
+                RecordState::Completed => {
+                    return Ok(AcquireOutcome::Completed {
+                        response: stored_response(&row)?,
+                        completed_at: finished_at(&row)?,
+                    });
+                }
+                RecordState::Failed => {
+                    return Ok(AcquireOutcome::Failed {
+                        error_response: stored_response(&row)?,
+                        failed_at: finished_at(&row)?,
+                    });
+                }
+                // The lease passed or the key was released since the statement.
+                RecordState::InProgress | RecordState::Released => continue,
+            }
+        }
+        Err(settle_failure("acquire"))
+    }
+
+    pub async fn complete(
+        &self,
+        id: &RecordId,
+        fencing_token: FencingToken,
+        response: &StoredResponse,
+    ) -> Result<Timestamp, Error> {
+        response.validate("response", self.limits.max_response_bytes)?;
+        self.finish(id, fencing_token, RecordState::Completed, response)
+            .await
+    }
+
+    pub async fn fail(
+        &self,
+        id: &RecordId,
+        fencing_token: FencingToken,
+        failure: &Failure,
+    ) -> Result<RecordState, Error> {
+        match failure {
+            Failure::Terminal(error_response) => {
+                error_response.validate("error_response", self.limits.max_response_bytes)?;
+                self.finish(id, fencing_token, RecordState::Failed, error_response)
+                    .await?;
+                Ok(RecordState::Failed)
+            }
+            Failure::Retryable => {
+                for _ in 0..ATTEMPTS {
+                    if self.store.release(id, fencing_token).await? {
+                        return Ok(RecordState::Released);
+                    }
+                    let row = self.current_holder(id, fencing_token).await?;
+                    match row.state()? {
+                        // A repeated release.
+                        RecordState::Released => return Ok(RecordState::Released),
+                        state @ (RecordState::Completed | RecordState::Failed) => {
+                            return Err(Error::NotInProgress {
+                                state: state.as_str(),
+                            });
+                        }
+                        RecordState::InProgress => continue,
+                    }
+                }
+                Err(settle_failure("release"))
+            }
+        }
+    }
+
+    pub async fn renew(
+        &self,
+        id: &RecordId,
+        fencing_token: FencingToken,
+        lease: Option<Duration>,
+    ) -> Result<LeaseTimes, Error> {
+        let lease = self.limits.lease("lease", lease)?;
+        for _ in 0..ATTEMPTS {
+            if let Some((lease_expires_at, expires_at)) =
+                self.store.renew(id, fencing_token, lease).await?
+            {
+                return Ok(LeaseTimes {
+                    lease_expires_at,
+                    expires_at,
+                });
+            }
+            let row = self.current_holder(id, fencing_token).await?;
+            match row.state()? {
+                RecordState::InProgress => continue,
+                state => {
+                    return Err(Error::NotInProgress {
+                        state: state.as_str(),
+                    });
+                }
+            }
+        }
+        Err(settle_failure("renew"))
+    }
+
+    pub async fn get(&self, id: &RecordId) -> Result<Record, Error> {
+        let row = self
+            .store
+            .read(id)
+            .await?
+            .filter(|row| !row.is_expired())
+            .ok_or(Error::NotFound)?;
+        let state = row.state()?;
+        Ok(Record {
+            id: id.clone(),
+            state,
+            fingerprint: row.fingerprint(),
+            fencing_token: row.fencing_token(),
+            created_at: row.created_at,
+            expires_at: row.expires_at,
+            lease_expires_at: row.lease_expires_at,
+            completed_at: row.completed_at,
+            response: row.response()?,
+        })
+    }
+
+    /// Completes or terminally fails; a repeat with the identical response is OK.
+    async fn finish(
+        &self,
+        id: &RecordId,
+        fencing_token: FencingToken,
+        target: RecordState,
+        response: &StoredResponse,
+    ) -> Result<Timestamp, Error> {
+        for _ in 0..ATTEMPTS {
+            if let Some(at) = self
+                .store
+                .finish(id, fencing_token, target, response)
+                .await?
+            {
+                return Ok(at);
+            }
+            let row = self.current_holder(id, fencing_token).await?;
+            let state = row.state()?;
+            match state {
+                RecordState::InProgress => continue,
+                RecordState::Released => {
+                    return Err(Error::NotInProgress {
+                        state: state.as_str(),
+                    });
+                }
+                RecordState::Completed | RecordState::Failed => {
+                    if state == target && row.response()?.as_ref() == Some(response) {
+                        return finished_at(&row); // A retry of the same call.
+                    }
+                    return Err(Error::ResponseConflict {
+                        state: state.as_str(),
+                    });
+                }
+            }
+        }
+        Err(settle_failure("finish"))
+    }
+
+    /// Reads the live record and checks that `fencing_token` is its current one.
+    async fn current_holder(
+        &self,
+        id: &RecordId,
+        fencing_token: FencingToken,
+    ) -> Result<RecordRow, Error> {
+        let row = self
+            .store
+            .read(id)
+            .await?
+            .filter(|row| !row.is_expired())
+            .ok_or(Error::NotFound)?;
+        if row.fencing_token() != fencing_token {
+            return Err(Error::StaleToken {
+                given: fencing_token,
+                current: row.fencing_token(),
+            });
+        }
+        Ok(row)
+    }
+}
+
+fn in_progress(row: &RecordRow) -> AcquireOutcome {
+    let lease_expires_at = row.lease_expires_at.unwrap_or(row.db_now);
+    let remaining = (lease_expires_at - row.db_now).to_std().unwrap_or_default();
+    AcquireOutcome::InProgress {
+        lease_expires_at,
+        retry_after: remaining.min(MAX_RETRY_AFTER),
+    }
+}
+
+fn stored_response(row: &RecordRow) -> Result<StoredResponse, Error> {
+    row.response()?
+        .ok_or_else(|| StoreError::Corrupt("finished record without a response".into()).into())
+}
+
+fn finished_at(row: &RecordRow) -> Result<Timestamp, Error> {
+    row.completed_at
+        .ok_or_else(|| StoreError::Corrupt("finished record without completed_at".into()).into())
+}
+
+/// The record kept changing under us: a retry will settle it.
+fn settle_failure(what: &'static str) -> Error {
+    Error::Contention(what)
+}

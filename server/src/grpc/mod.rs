@@ -1,0 +1,22 @@
+//! The gRPC surface: thin adapters from protobuf to the engine and back.
+//!
+//! - [`service`]: one method per RPC: convert, call the engine, convert back;
+//! - [`convert`]: protobuf <-> domain types, with field paths for errors;
+//! - [`status`]: the one place engine errors become `tonic::Status`;
+//! - [`metrics`]: per-call count and duration, recorded even when a call is cancelled.
+
+pub mod convert;
+pub mod metrics;
+pub mod service;
+pub mod status;
+
+/// Messages and the server trait generated from `proto/idempotency/v1/idempotency.proto`.
+pub mod pb {
+    tonic::include_proto!("idempotency.v1");
+
+    /// The encoded descriptors, served by reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        tonic::include_file_descriptor_set!("idempotency_descriptor");
+}
+
+pub use service::GrpcService;

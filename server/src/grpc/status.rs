@@ -1,0 +1,80 @@
+//! The one place where engine errors become gRPC statuses. Each carries a
+//! `google.rpc.ErrorInfo` reason (domain `idempotency`) so clients branch on
+//! code and reason, never on text; INVALID_ARGUMENT also names the field in a
+//! `google.rpc.BadRequest`. Causes are logged here, once; SQL text and
+//! database messages never reach the client.
+
+use std::collections::HashMap;
+
+use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+use crate::{error::Error, store::StoreError};
+
+pub const DOMAIN: &str = "idempotency";
+
+/// `ErrorInfo.reason` values; the proto's header lists them for clients.
+pub mod reason {
+    pub const INVALID_ARGUMENT: &str = "INVALID_ARGUMENT";
+    pub const RECORD_NOT_FOUND: &str = "RECORD_NOT_FOUND";
+    pub const STALE_FENCING_TOKEN: &str = "STALE_FENCING_TOKEN";
+    pub const RESPONSE_CONFLICT: &str = "RESPONSE_CONFLICT";
+    pub const NOT_IN_PROGRESS: &str = "NOT_IN_PROGRESS";
+    pub const DATABASE_UNAVAILABLE: &str = "DATABASE_UNAVAILABLE";
+    pub const INTERNAL: &str = "INTERNAL";
+}
+
+fn with_reason(code: Code, message: String, reason: &str) -> Status {
+    let details = ErrorDetails::with_error_info(reason, DOMAIN, HashMap::new());
+    Status::with_error_details(code, message, details)
+}
+
+/// Converts an engine error into the status the caller sees. `rpc` goes to the log only.
+pub fn to_status(rpc: &'static str, error: Error) -> Status {
+    match error {
+        Error::InvalidArgument(invalid) => {
+            let mut details = ErrorDetails::with_bad_request_violation(
+                invalid.field.clone(),
+                invalid.description.clone(),
+            );
+            details.set_error_info(reason::INVALID_ARGUMENT, DOMAIN, HashMap::new());
+            Status::with_error_details(Code::InvalidArgument, invalid.to_string(), details)
+        }
+        Error::NotFound => with_reason(Code::NotFound, error.to_string(), reason::RECORD_NOT_FOUND),
+        Error::StaleToken { .. } => with_reason(
+            Code::Aborted,
+            error.to_string(),
+            reason::STALE_FENCING_TOKEN,
+        ),
+        Error::ResponseConflict { .. } => with_reason(
+            Code::FailedPrecondition,
+            error.to_string(),
+            reason::RESPONSE_CONFLICT,
+        ),
+        Error::NotInProgress { .. } => with_reason(
+            Code::FailedPrecondition,
+            error.to_string(),
+            reason::NOT_IN_PROGRESS,
+        ),
+        Error::Contention(_) => {
+            tracing::warn!(rpc, error = %error, "gave up after repeated concurrent changes");
+            with_reason(
+                Code::Unavailable,
+                "the record is changing concurrently; retry".into(),
+                reason::DATABASE_UNAVAILABLE,
+            )
+        }
+        Error::Store(StoreError::Unavailable(cause)) => {
+            tracing::warn!(rpc, error = %cause, "database unavailable");
+            with_reason(
+                Code::Unavailable,
+                "the database is unavailable; retry with backoff".into(),
+                reason::DATABASE_UNAVAILABLE,
+            )
+        }
+        Error::Store(store) => {
+            tracing::error!(rpc, error = ?store, "internal error");
+            with_reason(Code::Internal, "internal error".into(), reason::INTERNAL)
+        }
+    }
+}

@@ -1,0 +1,64 @@
+//! `grpc.health.v1`: SERVING while the database answers, NOT_SERVING while it
+//! does not, and NOT_SERVING for good once shutdown begins.
+
+use std::time::Duration;
+
+use tonic_health::{ServingStatus, server::HealthReporter};
+
+use crate::{grpc::GrpcService, grpc::service::IdempotencyServiceServer, store::Store};
+
+pub const DATABASE_UP: &str = "idempotency_database_up";
+
+pub fn describe() {
+    metrics::describe_gauge!(
+        DATABASE_UP,
+        "1 when the last health probe reached the database, else 0."
+    );
+}
+
+/// Sets the overall ("") and the service's status together.
+pub async fn set(reporter: &HealthReporter, status: ServingStatus) {
+    reporter.set_service_status("", status).await;
+    match status {
+        ServingStatus::Serving => {
+            reporter
+                .set_serving::<IdempotencyServiceServer<GrpcService>>()
+                .await
+        }
+        _ => {
+            reporter
+                .set_not_serving::<IdempotencyServiceServer<GrpcService>>()
+                .await
+        }
+    }
+}
+
+/// Probes the database every `interval` and reports the result. Runs until aborted.
+pub async fn watch_database(store: Store, reporter: HealthReporter, interval: Duration) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last = None;
+    loop {
+        ticker.tick().await;
+        // A probe slower than the interval counts as down.
+        let up = matches!(
+            tokio::time::timeout(interval.max(Duration::from_secs(1)), store.ping()).await,
+            Ok(Ok(()))
+        );
+        metrics::gauge!(DATABASE_UP).set(if up { 1.0 } else { 0.0 });
+        if last != Some(up) {
+            if up {
+                tracing::info!("database reachable: SERVING");
+            } else {
+                tracing::warn!("database unreachable: NOT_SERVING");
+            }
+            let status = if up {
+                ServingStatus::Serving
+            } else {
+                ServingStatus::NotServing
+            };
+            set(&reporter, status).await;
+            last = Some(up);
+        }
+    }
+}

@@ -1,0 +1,27 @@
+//! The idempotency service. The request path, top to bottom:
+//!
+//! - [`settings`]: command line and environment;
+//! - [`startup`]: binds the listeners, wires the parts, runs until a shutdown
+//!   future resolves, then drains;
+//! - [`grpc`]: thin adapters, protobuf in and out, errors mapped to statuses
+//!   in one place ([`grpc::status`]);
+//! - [`engine`]: the rules (acquire, complete, fail, renew, get; leases and fencing);
+//! - [`store`]: the only module with SQL;
+//! - [`domain`]: the types every layer speaks (ids, fingerprints, responses, limits).
+//!
+//! Around them: [`db`] (pool and migrations), [`health`] (the database probe
+//! behind `grpc.health.v1`), [`telemetry`] (logs and the metrics recorder),
+//! [`shutdown`] (the process signal).
+#![forbid(unsafe_code)]
+
+pub mod db;
+pub mod domain;
+pub mod engine;
+pub mod error;
+pub mod grpc;
+pub mod health;
+pub mod settings;
+pub mod shutdown;
+pub mod startup;
+pub mod store;
+pub mod telemetry;

@@ -1,0 +1,223 @@
+//! Command line and environment. Every setting has a flag and an
+//! `IDEMPOTENCY_*` variable (the database URL reads `DATABASE_URL`); defaults
+//! show in `--help`; durations read like `30s`, `24h`, `7d`.
+
+use std::{fmt, net::SocketAddr, str::FromStr, time::Duration};
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::{db::PoolSettings, domain::Limits};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "idempotencyd",
+    version,
+    about = "The idempotency service: gRPC over Postgres"
+)]
+pub struct Cli {
+    /// What to do; `serve` when omitted.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve the gRPC API and /metrics (the default).
+    Serve(Box<ServeArgs>),
+    /// Apply the database migrations, then exit.
+    Migrate(MigrateArgs),
+}
+
+impl Cli {
+    /// The command to run: `serve` with its defaults and environment when none is given.
+    pub fn into_command(self) -> Command {
+        self.command
+            .unwrap_or_else(|| Command::Serve(Box::new(ServeArgs::parse_from(["serve"]))))
+    }
+}
+
+/// The settings of `serve`.
+#[derive(Debug, Clone, Parser)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
+
+    /// Address of the gRPC API.
+    #[arg(long, env = "IDEMPOTENCY_GRPC_ADDR", default_value = "0.0.0.0:50051")]
+    pub grpc_addr: SocketAddr,
+    /// Address of the Prometheus /metrics endpoint.
+    #[arg(long, env = "IDEMPOTENCY_METRICS_ADDR", default_value = "0.0.0.0:9090")]
+    pub metrics_addr: SocketAddr,
+    /// Apply migrations before serving.
+    #[arg(long, env = "IDEMPOTENCY_MIGRATE")]
+    pub migrate: bool,
+
+    /// Record lifetime when Acquire gives none.
+    #[arg(long, env = "IDEMPOTENCY_DEFAULT_TTL", default_value = "24h", value_parser = humantime::parse_duration)]
+    pub default_ttl: Duration,
+    /// Longest record lifetime a caller may ask for.
+    #[arg(long, env = "IDEMPOTENCY_MAX_TTL", default_value = "7d", value_parser = humantime::parse_duration)]
+    pub max_ttl: Duration,
+    /// Lease when Acquire or Renew gives none.
+    #[arg(long, env = "IDEMPOTENCY_DEFAULT_LEASE", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub default_lease: Duration,
+    /// Longest lease a caller may ask for.
+    #[arg(long, env = "IDEMPOTENCY_MAX_LEASE", default_value = "1h", value_parser = humantime::parse_duration)]
+    pub max_lease: Duration,
+    /// Largest stored response in bytes (body plus header names and values).
+    #[arg(long, env = "IDEMPOTENCY_MAX_RESPONSE_BYTES", default_value_t = 1024 * 1024)]
+    pub max_response_bytes: usize,
+
+    /// How often the database is probed for the health service.
+    #[arg(long, env = "IDEMPOTENCY_HEALTH_CHECK_INTERVAL", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub health_check_interval: Duration,
+    /// On SIGTERM, how long in-flight calls may take to finish.
+    #[arg(long, env = "IDEMPOTENCY_DRAIN_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
+    pub drain_timeout: Duration,
+}
+
+impl ServeArgs {
+    pub fn limits(&self) -> Limits {
+        Limits {
+            default_ttl: self.default_ttl,
+            max_ttl: self.max_ttl,
+            default_lease: self.default_lease,
+            max_lease: self.max_lease,
+            max_response_bytes: self.max_response_bytes,
+        }
+    }
+}
+
+/// The settings of `migrate`.
+#[derive(Debug, Clone, Args)]
+pub struct MigrateArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct DatabaseArgs {
+    /// Postgres URL, e.g. postgres://user:password@host:5432/idempotency.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: DatabaseUrl,
+    /// Most connections the pool opens.
+    #[arg(long, env = "IDEMPOTENCY_DB_MAX_CONNECTIONS", default_value_t = 16)]
+    pub db_max_connections: u32,
+    /// How long a call waits for a free connection before it is answered UNAVAILABLE.
+    #[arg(long, env = "IDEMPOTENCY_DB_ACQUIRE_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
+    pub db_acquire_timeout: Duration,
+    /// Longest a single statement may run (Postgres statement_timeout).
+    #[arg(long, env = "IDEMPOTENCY_STATEMENT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub statement_timeout: Duration,
+}
+
+impl DatabaseArgs {
+    pub fn connect_options(&self) -> Result<sqlx::postgres::PgConnectOptions, sqlx::Error> {
+        self.database_url.expose().parse()
+    }
+
+    pub fn pool_settings(&self) -> PoolSettings {
+        PoolSettings {
+            max_connections: self.db_max_connections,
+            acquire_timeout: self.db_acquire_timeout,
+            statement_timeout: self.statement_timeout,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct LogArgs {
+    /// Log filter, e.g. `info` or `idempotency_server=debug,sqlx=warn`.
+    #[arg(long, env = "IDEMPOTENCY_LOG_LEVEL", default_value = "info")]
+    pub log_level: String,
+    /// Log line format.
+    #[arg(long, env = "IDEMPOTENCY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// A database URL whose password never reaches a log or `Debug` output.
+#[derive(Clone)]
+pub struct DatabaseUrl(String);
+
+impl DatabaseUrl {
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// The URL with its password replaced, for logs.
+    pub fn redacted(&self) -> String {
+        let mut url = self.0.clone();
+        // A password given as a query parameter: cut from there on.
+        if let Some(at) = url.find("password=") {
+            url.truncate(at);
+            url.push_str("password=***");
+        }
+        let Some(authority_start) = url.find("://").map(|at| at + 3) else {
+            return "<unparsable database url>".into();
+        };
+        let authority_end = url[authority_start..]
+            .find(['/', '?'])
+            .map_or(url.len(), |at| authority_start + at);
+        if let Some(at) = url[authority_start..authority_end].rfind('@') {
+            let userinfo = authority_start..authority_start + at;
+            if let Some(colon) = url[userinfo.clone()].find(':') {
+                url.replace_range(authority_start + colon + 1..userinfo.end, "***");
+            }
+        }
+        url
+    }
+}
+
+impl fmt::Debug for DatabaseUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.redacted())
+    }
+}
+
+impl FromStr for DatabaseUrl {
+    type Err = std::convert::Infallible;
+
+    fn from_str(url: &str) -> Result<Self, Self::Err> {
+        Ok(Self(url.to_owned()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_never_show() {
+        let url = |s: &str| s.parse::<DatabaseUrl>().unwrap().redacted();
+        assert_eq!(
+            url("postgres://app:s3cr@t@db:5432/x"),
+            "postgres://app:***@db:5432/x"
+        );
+        assert_eq!(url("postgres://app@db/x"), "postgres://app@db/x");
+        assert_eq!(
+            url("postgres://db/x?user=a&password=p&ssl=1"),
+            "postgres://db/x?user=a&password=***"
+        );
+        let debug = format!(
+            "{:?}",
+            "postgres://u:hunter2@h/d".parse::<DatabaseUrl>().unwrap()
+        );
+        assert!(!debug.contains("hunter2"), "{debug}");
+    }
+
+    #[test]
+    fn cli_is_well_formed() {
+        use clap::CommandFactory;
+        <Cli as CommandFactory>::command().debug_assert();
+    }
+}

@@ -1,0 +1,204 @@
+//! Builds the application (listeners bound, engine wired) and runs it until a
+//! shutdown future resolves. Tests bind `127.0.0.1:0` and pass their own future.
+
+use std::{future::Future, net::SocketAddr, time::Duration};
+
+use metrics_exporter_prometheus::PrometheusHandle;
+use sqlx::PgPool;
+use tokio::net::TcpListener;
+use tonic::transport::{Server, server::TcpIncoming};
+use tonic_health::ServingStatus;
+
+use crate::{
+    domain::Limits,
+    engine::Engine,
+    grpc::{GrpcService, pb, service::IdempotencyServiceServer},
+    health,
+    settings::ServeArgs,
+    store::Store,
+    telemetry,
+};
+
+/// What the running server needs beyond the database pool.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub grpc_addr: SocketAddr,
+    /// Where to serve `/metrics`; `None` serves no metrics endpoint.
+    pub metrics_addr: Option<SocketAddr>,
+    pub limits: Limits,
+    pub health_check_interval: Duration,
+    pub drain_timeout: Duration,
+}
+
+impl ServerConfig {
+    pub fn from_args(args: &ServeArgs) -> Self {
+        Self {
+            grpc_addr: args.grpc_addr,
+            metrics_addr: Some(args.metrics_addr),
+            limits: args.limits(),
+            health_check_interval: args.health_check_interval,
+            drain_timeout: args.drain_timeout,
+        }
+    }
+}
+
+/// gRPC messages may carry a stored response plus its envelope; refuse far
+/// larger ones at the transport, leave the exact limit to validation so the
+/// caller gets INVALID_ARGUMENT naming it.
+const MIN_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartupError {
+    #[error("binding {addr}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("building the reflection service")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    #[error("gRPC server")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+pub struct Application {
+    grpc_listener: TcpListener,
+    metrics_listener: Option<TcpListener>,
+    store: Store,
+    config: ServerConfig,
+}
+
+async fn bind(addr: SocketAddr) -> Result<TcpListener, StartupError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartupError::Bind { addr, source })
+}
+
+impl Application {
+    /// Binds the listeners; nothing is served until [`Self::run_until_stopped`].
+    pub async fn build(config: ServerConfig, pool: PgPool) -> Result<Self, StartupError> {
+        let grpc_listener = bind(config.grpc_addr).await?;
+        let metrics_listener = match config.metrics_addr {
+            Some(addr) => Some(bind(addr).await?),
+            None => None,
+        };
+        Ok(Self {
+            grpc_listener,
+            metrics_listener,
+            store: Store::new(pool),
+            config,
+        })
+    }
+
+    pub fn grpc_addr(&self) -> SocketAddr {
+        self.grpc_listener
+            .local_addr()
+            .expect("a bound listener has an address")
+    }
+
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_listener.as_ref().map(|listener| {
+            listener
+                .local_addr()
+                .expect("a bound listener has an address")
+        })
+    }
+
+    /// Serves until `shutdown` resolves, then drains: health goes NOT_SERVING,
+    /// new connections and calls are refused, in-flight calls get up to
+    /// `drain_timeout` to finish, and the pool closes.
+    pub async fn run_until_stopped(
+        self,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), StartupError> {
+        let Self {
+            grpc_listener,
+            metrics_listener,
+            store,
+            config,
+        } = self;
+        let pool = store.pool().clone();
+
+        let (reporter, health_service) = tonic_health::server::health_reporter();
+        health::set(&reporter, ServingStatus::NotServing).await;
+        let watcher = tokio::spawn(health::watch_database(
+            store.clone(),
+            reporter.clone(),
+            config.health_check_interval,
+        ));
+        let metrics_server = metrics_listener
+            .map(|listener| tokio::spawn(serve_metrics(listener, telemetry::metrics_handle())));
+
+        // v1 for current tools, v1alpha for grpcurl 1.8 and older clients.
+        let reflection = || {
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        };
+        let reflection_v1 = reflection().build_v1()?;
+        let reflection_v1alpha = reflection().build_v1alpha()?;
+
+        let max_message = MIN_MESSAGE_BYTES.max(config.limits.max_response_bytes.saturating_mul(2));
+        let engine = Engine::new(store, config.limits.clone());
+        let api = IdempotencyServiceServer::new(GrpcService::new(engine))
+            .max_decoding_message_size(max_message);
+
+        tracing::info!(addr = %grpc_listener.local_addr().map_err(|source| StartupError::Bind { addr: config.grpc_addr, source })?, "serving gRPC");
+        let incoming = TcpIncoming::from(grpc_listener).with_nodelay(Some(true));
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = Server::builder()
+            .http2_keepalive_interval(Some(Duration::from_secs(30)))
+            .add_service(health_service)
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha)
+            .add_service(api)
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = stop_rx.await;
+            });
+        tokio::pin!(server, shutdown);
+
+        let result = tokio::select! {
+            result = &mut server => result.map_err(StartupError::from),
+            () = &mut shutdown => {
+                watcher.abort();
+                health::set(&reporter, ServingStatus::NotServing).await;
+                let _ = stop_tx.send(());
+                match tokio::time::timeout(config.drain_timeout, &mut server).await {
+                    Ok(result) => result.map_err(StartupError::from),
+                    Err(_) => {
+                        tracing::warn!(timeout = ?config.drain_timeout, "in-flight calls did not finish in time; dropping them");
+                        Ok(())
+                    }
+                }
+            }
+        };
+        watcher.abort();
+        if let Some(task) = metrics_server {
+            task.abort();
+        }
+        pool.close().await;
+        tracing::info!("stopped");
+        result
+    }
+}
+
+/// Serves the Prometheus text format at `/metrics` until aborted.
+async fn serve_metrics(listener: TcpListener, handle: PrometheusHandle) {
+    use axum::{Router, routing::get};
+    let upkeep = handle.clone();
+    // Histograms and idle entries need periodic upkeep; rendering does some, this does the rest.
+    tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            ticker.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    let router = Router::new().route("/metrics", get(move || std::future::ready(handle.render())));
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "serving /metrics");
+    }
+    if let Err(error) = axum::serve(listener, router).await {
+        tracing::error!(%error, "metrics endpoint stopped");
+    }
+}

@@ -1,0 +1,316 @@
+//! The only place with SQL. Every statement is a single autocommit round trip;
+//! no transaction stays open across a caller's business logic. Every time is
+//! the database's `now()`, so replicas of the service agree on leases.
+
+use std::{collections::BTreeMap, time::Duration};
+
+use sqlx::{PgPool, postgres::types::PgInterval, types::Json};
+
+use crate::domain::{FencingToken, Fingerprint, RecordId, RecordState, StoredResponse, Timestamp};
+
+/// A failed statement, sorted by what the caller can do about it.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database is unreachable, overloaded or restarting: retrying later may succeed.
+    #[error("database unavailable")]
+    Unavailable(#[source] sqlx::Error),
+    /// Anything else: a bug or a broken schema.
+    #[error("database error")]
+    Internal(#[source] sqlx::Error),
+    /// A row holds a value the schema's checks should have refused.
+    #[error("corrupt row: {0}")]
+    Corrupt(String),
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(error: sqlx::Error) -> Self {
+        if is_transient(&error) {
+            Self::Unavailable(error)
+        } else {
+            Self::Internal(error)
+        }
+    }
+}
+
+/// Errors that say nothing about the request, only about the database's health.
+fn is_transient(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Protocol(_) => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            // Class 08: connection exception; 53: insufficient resources;
+            // 57P0x: shutdown or restart; 57014: statement timeout or cancel;
+            // 40001/40P01: serialization failure or deadlock, resolved by retrying.
+            code.starts_with("08")
+                || code.starts_with("53")
+                || code.starts_with("57P0")
+                || code == "57014"
+                || code == "40001"
+                || code == "40P01"
+        }),
+        _ => false,
+    }
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// What a successful Acquire statement returns.
+#[derive(Debug, sqlx::FromRow)]
+pub struct AcquiredRow {
+    pub fencing_token: i64,
+    pub lease_expires_at: Timestamp,
+    pub expires_at: Timestamp,
+}
+
+/// A record as stored, with the database clock's view of it.
+#[derive(Debug, sqlx::FromRow)]
+pub struct RecordRow {
+    pub state: String,
+    pub fingerprint: Vec<u8>,
+    pub fencing_token: i64,
+    pub created_at: Timestamp,
+    pub expires_at: Timestamp,
+    pub lease_expires_at: Option<Timestamp>,
+    pub completed_at: Option<Timestamp>,
+    pub response_status: Option<i32>,
+    pub response_body: Option<Vec<u8>>,
+    pub response_headers: Option<Json<BTreeMap<String, String>>>,
+    /// `now()` at the time of the read.
+    pub db_now: Timestamp,
+}
+
+impl RecordRow {
+    pub fn state(&self) -> StoreResult<RecordState> {
+        RecordState::from_stored(&self.state)
+            .ok_or_else(|| StoreError::Corrupt(format!("unknown state {:?}", self.state)))
+    }
+
+    pub fn fencing_token(&self) -> FencingToken {
+        // The schema keeps tokens positive.
+        self.fencing_token as FencingToken
+    }
+
+    pub fn fingerprint(&self) -> Fingerprint {
+        Fingerprint::from_stored(self.fingerprint.clone())
+    }
+
+    /// An expired row acts as absent until cleanup removes it.
+    pub fn is_expired(&self) -> bool {
+        self.expires_at <= self.db_now
+    }
+
+    pub fn lease_is_live(&self) -> bool {
+        self.lease_expires_at
+            .is_some_and(|lease| lease > self.db_now)
+    }
+
+    pub fn response(&self) -> StoreResult<Option<StoredResponse>> {
+        let Some(status) = self.response_status else {
+            return Ok(None);
+        };
+        let status_code = u32::try_from(status)
+            .map_err(|_| StoreError::Corrupt(format!("negative status {status}")))?;
+        Ok(Some(StoredResponse {
+            status_code,
+            body: self.response_body.clone().unwrap_or_default(),
+            headers: self
+                .response_headers
+                .as_ref()
+                .map(|json| json.0.clone())
+                .unwrap_or_default(),
+        }))
+    }
+}
+
+/// Handle to the records table.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: PgPool,
+}
+
+fn interval(duration: Duration) -> PgInterval {
+    PgInterval {
+        months: 0,
+        days: 0,
+        // Limits cap durations far below i64::MAX microseconds.
+        microseconds: i64::try_from(duration.as_micros()).unwrap_or(i64::MAX),
+    }
+}
+
+/// Postgres has no unsigned types; codes above i32::MAX are refused by validation
+/// long before they get here, so saturating is only a guard.
+fn status(response: &StoredResponse) -> i32 {
+    i32::try_from(response.status_code).unwrap_or(i32::MAX)
+}
+
+fn token(token: FencingToken) -> i64 {
+    i64::try_from(token).unwrap_or(i64::MAX)
+}
+
+impl Store {
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Creates the record, or takes over one that expired, was released, or
+    /// whose lease passed (when the fingerprints agree). `None`: the key is
+    /// held or finished; read it to learn how.
+    pub async fn try_acquire(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        ttl: Duration,
+        lease: Duration,
+    ) -> StoreResult<Option<AcquiredRow>> {
+        // One statement: the insert wins a fresh key; ON CONFLICT turns into a
+        // takeover only when the WHERE allows it, else returns no row. The row
+        // lock it takes lasts only for this statement, never across business logic.
+        // A record never expires under a live lease: expires_at >= lease_expires_at.
+        const SQL: &str = "
+            INSERT INTO idempotency_records AS r
+                (namespace, operation, subject, key, state, fingerprint, fencing_token,
+                 created_at, expires_at, lease_expires_at)
+            VALUES ($1, $2, $3, $4, 'in_progress', $5, 1,
+                    now(), now() + greatest($6::interval, $7::interval), now() + $7::interval)
+            ON CONFLICT (namespace, operation, subject, key) DO UPDATE SET
+                state = 'in_progress',
+                fingerprint = CASE WHEN r.expires_at <= now() OR r.fingerprint = ''
+                                   THEN EXCLUDED.fingerprint ELSE r.fingerprint END,
+                fencing_token = CASE WHEN r.expires_at <= now() THEN 1 ELSE r.fencing_token + 1 END,
+                created_at = CASE WHEN r.expires_at <= now() THEN EXCLUDED.created_at ELSE r.created_at END,
+                expires_at = CASE WHEN r.expires_at <= now() THEN EXCLUDED.expires_at
+                                  ELSE greatest(r.expires_at, EXCLUDED.lease_expires_at) END,
+                lease_expires_at = EXCLUDED.lease_expires_at,
+                completed_at = NULL,
+                response_status = NULL,
+                response_body = NULL,
+                response_headers = NULL
+            WHERE r.expires_at <= now()
+               OR ((r.state = 'released' OR (r.state = 'in_progress' AND r.lease_expires_at <= now()))
+                   AND (r.fingerprint = EXCLUDED.fingerprint OR r.fingerprint = '' OR EXCLUDED.fingerprint = ''))
+            RETURNING fencing_token, lease_expires_at, expires_at";
+        let row = sqlx::query_as::<_, AcquiredRow>(SQL)
+            .bind(id.namespace())
+            .bind(id.operation())
+            .bind(id.subject())
+            .bind(id.key())
+            .bind(fingerprint.as_bytes())
+            .bind(interval(ttl))
+            .bind(interval(lease))
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row)
+    }
+
+    /// Reads a record, expired or not, with the database's `now()`.
+    pub async fn read(&self, id: &RecordId) -> StoreResult<Option<RecordRow>> {
+        const SQL: &str = "
+            SELECT state, fingerprint, fencing_token, created_at, expires_at, lease_expires_at,
+                   completed_at, response_status, response_body, response_headers, now() AS db_now
+            FROM idempotency_records
+            WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4";
+        let row = sqlx::query_as::<_, RecordRow>(SQL)
+            .bind(id.namespace())
+            .bind(id.operation())
+            .bind(id.subject())
+            .bind(id.key())
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row)
+    }
+
+    /// Moves the live in-progress record held with `fencing_token` to
+    /// `completed` or `failed` with `response`. `None`: no such record.
+    pub async fn finish(
+        &self,
+        id: &RecordId,
+        fencing_token: FencingToken,
+        state: RecordState,
+        response: &StoredResponse,
+    ) -> StoreResult<Option<Timestamp>> {
+        debug_assert!(matches!(
+            state,
+            RecordState::Completed | RecordState::Failed
+        ));
+        const SQL: &str = "
+            UPDATE idempotency_records
+            SET state = $6, lease_expires_at = NULL, completed_at = now(),
+                response_status = $7, response_body = $8, response_headers = $9
+            WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
+              AND fencing_token = $5 AND state = 'in_progress' AND expires_at > now()
+            RETURNING completed_at";
+        let completed_at = sqlx::query_scalar::<_, Timestamp>(SQL)
+            .bind(id.namespace())
+            .bind(id.operation())
+            .bind(id.subject())
+            .bind(id.key())
+            .bind(token(fencing_token))
+            .bind(state.as_str())
+            .bind(status(response))
+            .bind(&response.body)
+            .bind(Json(&response.headers))
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(completed_at)
+    }
+
+    /// Gives the key back so the next Acquire takes it over. `false`: no live
+    /// in-progress record is held with `fencing_token`.
+    pub async fn release(&self, id: &RecordId, fencing_token: FencingToken) -> StoreResult<bool> {
+        const SQL: &str = "
+            UPDATE idempotency_records
+            SET state = 'released', lease_expires_at = NULL
+            WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
+              AND fencing_token = $5 AND state = 'in_progress' AND expires_at > now()";
+        let result = sqlx::query(SQL)
+            .bind(id.namespace())
+            .bind(id.operation())
+            .bind(id.subject())
+            .bind(id.key())
+            .bind(token(fencing_token))
+            .execute(&self.pool)
+            .await?;
+        Ok(result.rows_affected() == 1)
+    }
+
+    /// Extends the lease held with `fencing_token`, moving the expiry forward
+    /// when the lease would outlive it. `None`: no such in-progress record.
+    pub async fn renew(
+        &self,
+        id: &RecordId,
+        fencing_token: FencingToken,
+        lease: Duration,
+    ) -> StoreResult<Option<(Timestamp, Timestamp)>> {
+        const SQL: &str = "
+            UPDATE idempotency_records
+            SET lease_expires_at = now() + $6::interval,
+                expires_at = greatest(expires_at, now() + $6::interval)
+            WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
+              AND fencing_token = $5 AND state = 'in_progress' AND expires_at > now()
+            RETURNING lease_expires_at, expires_at";
+        let row = sqlx::query_as::<_, (Timestamp, Timestamp)>(SQL)
+            .bind(id.namespace())
+            .bind(id.operation())
+            .bind(id.subject())
+            .bind(id.key())
+            .bind(token(fencing_token))
+            .bind(interval(lease))
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row)
+    }
+
+    /// A cheap round trip that proves the database answers.
+    pub async fn ping(&self) -> StoreResult<()> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+}

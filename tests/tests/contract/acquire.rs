@@ -1,0 +1,181 @@
+//! Every Acquire outcome, replays, and fingerprints.
+
+use idempotency_client::pb::acquire_response::Outcome;
+use idempotency_tests::{TestDb, TestServer, record_id, response, unique_key};
+
+use crate::support::*;
+
+#[tokio::test]
+async fn a_new_key_is_acquired_with_token_one_and_a_lease_inside_its_lifetime() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let mut client = server.client.clone();
+
+    let outcome = acquire(&mut client, &record_id(&unique_key("new")), b"fp").await;
+
+    let Outcome::Acquired(acquired) = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert_eq!(acquired.fencing_token, 1);
+    let lease = acquired.lease_expires_at.unwrap();
+    let expires = acquired.expires_at.unwrap();
+    // Defaults: a 60 s lease inside a 24 h lifetime.
+    assert_eq!(expires.seconds - lease.seconds, 24 * 3600 - 60);
+}
+
+#[tokio::test]
+async fn a_held_key_is_in_progress_at_once_with_a_bounded_retry_hint() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let mut client = server.client.clone();
+    let id = record_id(&unique_key("held"));
+    let Outcome::Acquired(first) = acquire(&mut client, &id, b"fp").await else {
+        panic!()
+    };
+
+    let outcome = acquire(&mut client, &id, b"fp").await;
+
+    let Outcome::InProgress(in_progress) = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert_eq!(in_progress.lease_expires_at, first.lease_expires_at);
+    let retry_after = in_progress.retry_after.unwrap();
+    assert!(
+        retry_after.seconds <= 1 && (retry_after.seconds, retry_after.nanos) != (0, 0),
+        "{retry_after:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_completed_key_replays_status_body_and_headers_byte_for_byte() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let mut client = server.client.clone();
+    let id = record_id(&unique_key("replay"));
+    let token = token(&acquire(&mut client, &id, b"fp").await);
+    let mut stored = response(201, "");
+    stored.body = (0..=255u8).collect(); // Not UTF-8: bytes must come back as they went in.
+    stored.headers.insert("x-unicode".into(), "naïve ✓".into());
+    let completed = complete(&mut client, &id, token, stored.clone())
+        .await
+        .unwrap();
+
+    for _ in 0..3 {
+        let outcome = acquire(&mut client, &id, b"fp").await;
+        let Outcome::Completed(replay) = outcome else {
+            panic!("{outcome:?}")
+        };
+        assert_eq!(replay.response.as_ref(), Some(&stored));
+        assert_eq!(replay.completed_at, completed.completed_at);
+    }
+}
+
+#[tokio::test]
+async fn a_terminally_failed_key_replays_the_stored_error() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let mut client = server.client.clone();
+    let id = record_id(&unique_key("failed"));
+    let token = token(&acquire(&mut client, &id, b"fp").await);
+    let error = response(402, r#"{"error":"card declined"}"#);
+    fail(&mut client, &id, token, false, Some(error.clone()))
+        .await
+        .unwrap();
+
+    let outcome = acquire(&mut client, &id, b"fp").await;
+
+    let Outcome::Failed(failed) = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert_eq!(failed.error_response, Some(error));
+    assert!(failed.failed_at.is_some());
+}
+
+#[tokio::test]
+async fn a_fingerprint_mismatch_wins_over_every_state_and_changes_nothing() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let mut client = server.client.clone();
+    // One key per state the record can be in.
+    let live = record_id(&unique_key("live"));
+    let lapsed = record_id(&unique_key("lapsed"));
+    let completed = record_id(&unique_key("completed"));
+    let failed = record_id(&unique_key("failed"));
+    let released = record_id(&unique_key("released"));
+    token(&acquire(&mut client, &live, b"original").await);
+    token(&acquire_leased(&mut client, &lapsed, b"original", 1).await);
+    let t = token(&acquire(&mut client, &completed, b"original").await);
+    complete(&mut client, &completed, t, response(201, "ok"))
+        .await
+        .unwrap();
+    let t = token(&acquire(&mut client, &failed, b"original").await);
+    fail(&mut client, &failed, t, false, Some(response(400, "bad")))
+        .await
+        .unwrap();
+    let t = token(&acquire(&mut client, &released, b"original").await);
+    fail(&mut client, &released, t, true, None).await.unwrap();
+    wait_past(1).await; // `lapsed`'s lease has now passed: it would be taken over.
+
+    for id in [&live, &lapsed, &completed, &failed, &released] {
+        let before = get(&mut client, id).await.unwrap();
+
+        let outcome = acquire(&mut client, id, b"different").await;
+
+        assert!(
+            matches!(outcome, Outcome::FingerprintMismatch(_)),
+            "{}: {outcome:?}",
+            id.key
+        );
+        assert_eq!(get(&mut client, id).await.unwrap(), before, "{}", id.key);
+    }
+}
+
+#[tokio::test]
+async fn an_empty_fingerprint_is_never_a_mismatch() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let mut client = server.client.clone();
+    let stored_with_one = record_id(&unique_key("with"));
+    let stored_without = record_id(&unique_key("without"));
+    let t = token(&acquire(&mut client, &stored_with_one, b"original").await);
+    complete(&mut client, &stored_with_one, t, response(201, "a"))
+        .await
+        .unwrap();
+    token(&acquire(&mut client, &stored_without, b"").await);
+
+    // Asking without a fingerprint replays; asking with one on a record made without is no mismatch.
+    assert!(matches!(
+        acquire(&mut client, &stored_with_one, b"").await,
+        Outcome::Completed(_)
+    ));
+    assert!(matches!(
+        acquire(&mut client, &stored_without, b"anything").await,
+        Outcome::InProgress(_)
+    ));
+    assert!(matches!(
+        acquire(&mut client, &stored_without, b"").await,
+        Outcome::InProgress(_)
+    ));
+}
+
+#[tokio::test]
+async fn a_takeover_keeps_the_first_fingerprint() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let mut client = server.client.clone();
+    let id = record_id(&unique_key("keep"));
+    token(&acquire_leased(&mut client, &id, b"original", 1).await);
+    wait_past(1).await;
+
+    // Taking over without a fingerprint does not erase the stored one.
+    assert_eq!(token(&acquire(&mut client, &id, b"").await), 2);
+
+    assert_eq!(
+        get(&mut client, &id).await.unwrap().fingerprint,
+        b"original"
+    );
+    assert!(matches!(
+        acquire(&mut client, &id, b"different").await,
+        Outcome::FingerprintMismatch(_)
+    ));
+}

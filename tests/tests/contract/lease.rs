@@ -1,0 +1,156 @@
+//! Leases: a crashed holder is taken over and fenced off; a slow one renews.
+
+use idempotency_client::pb::acquire_response::Outcome;
+use idempotency_tests::{TestDb, TestServer, record_id, response, unique_key};
+use tonic::Code;
+
+use crate::support::*;
+
+#[tokio::test]
+async fn a_crashed_holder_is_taken_over_after_its_lease_and_cannot_complete() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let mut client = server.client.clone();
+    let id = record_id(&unique_key("crash"));
+    assert_eq!(token(&acquire_leased(&mut client, &id, b"fp", 1).await), 1);
+    // The holder "crashes": no Complete, no Fail.
+    wait_past(1).await;
+
+    let takeover = acquire(&mut client, &id, b"fp").await;
+
+    assert_eq!(token(&takeover), 2);
+    let stale = complete(
+        &mut client,
+        &id,
+        1,
+        response(201, "from the crashed holder"),
+    )
+    .await;
+    assert_error(stale, Code::Aborted, "STALE_FENCING_TOKEN");
+    let current = response(201, "from the new holder");
+    complete(&mut client, &id, 2, current.clone())
+        .await
+        .unwrap();
+    let Outcome::Completed(replay) = acquire(&mut client, &id, b"fp").await else {
+        panic!()
+    };
+    assert_eq!(replay.response, Some(current));
+    // Even after completion, the stale token stays fenced off.
+    let late = complete(
+        &mut client,
+        &id,
+        1,
+        response(201, "from the crashed holder"),
+    )
+    .await;
+    assert_error(late, Code::Aborted, "STALE_FENCING_TOKEN");
+}
+
+#[tokio::test]
+async fn a_lapsed_lease_can_still_complete_while_nobody_took_over() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let mut client = server.client.clone();
+    let id = record_id(&unique_key("late"));
+    token(&acquire_leased(&mut client, &id, b"fp", 1).await);
+    wait_past(1).await;
+
+    complete(&mut client, &id, 1, response(201, "late but alone"))
+        .await
+        .unwrap();
+
+    assert!(matches!(
+        acquire(&mut client, &id, b"fp").await,
+        Outcome::Completed(_)
+    ));
+}
+
+#[tokio::test]
+async fn renew_keeps_a_slow_holder_alive_past_its_first_lease() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let mut client = server.client.clone();
+    let id = record_id(&unique_key("slow"));
+    let Outcome::Acquired(first) = acquire_leased(&mut client, &id, b"fp", 1).await else {
+        panic!()
+    };
+
+    // The slow holder renews for 2 s every half second; 2.5 s later the first
+    // lease is long gone, yet nobody could take over.
+    let mut renewed = None;
+    for _ in 0..5 {
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        renewed = Some(renew(&mut client, &id, 1, 2).await.unwrap());
+        assert!(matches!(
+            acquire(&mut client, &id, b"fp").await,
+            Outcome::InProgress(_)
+        ));
+    }
+
+    let renewed = renewed.unwrap();
+    assert!(
+        renewed.lease_expires_at.unwrap().seconds > first.lease_expires_at.unwrap().seconds + 1
+    );
+    assert_eq!(
+        get(&mut client, &id).await.unwrap().lease_expires_at,
+        renewed.lease_expires_at
+    );
+    complete(&mut client, &id, 1, response(201, "slow but sure"))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn renew_is_refused_for_a_stale_token_a_finished_record_and_an_unknown_key() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let mut client = server.client.clone();
+    let id = record_id(&unique_key("renew"));
+    token(&acquire_leased(&mut client, &id, b"fp", 1).await);
+    wait_past(1).await;
+    assert_eq!(token(&acquire(&mut client, &id, b"fp").await), 2);
+
+    assert_error(
+        renew(&mut client, &id, 1, 30).await,
+        Code::Aborted,
+        "STALE_FENCING_TOKEN",
+    );
+    complete(&mut client, &id, 2, response(200, "done"))
+        .await
+        .unwrap();
+    assert_error(
+        renew(&mut client, &id, 2, 30).await,
+        Code::FailedPrecondition,
+        "NOT_IN_PROGRESS",
+    );
+    let unknown = record_id(&unique_key("unknown"));
+    assert_error(
+        renew(&mut client, &unknown, 1, 30).await,
+        Code::NotFound,
+        "RECORD_NOT_FOUND",
+    );
+}
+
+#[tokio::test]
+async fn renewing_past_the_lifetime_moves_the_expiry_so_a_live_lease_never_expires() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let mut client = server.client.clone();
+    let id = record_id(&unique_key("outlive"));
+    let request = idempotency_client::pb::AcquireRequest {
+        id: Some(id.clone()),
+        ttl: Some(idempotency_tests::seconds(2)),
+        lease: Some(idempotency_tests::seconds(1)),
+        ..Default::default()
+    };
+    token(&acquire_request(&mut client, request).await);
+
+    let renewed = renew(&mut client, &id, 1, 10).await.unwrap();
+
+    assert!(renewed.expires_at.unwrap().seconds >= renewed.lease_expires_at.unwrap().seconds);
+    wait_past(2).await; // The original lifetime has passed; the lease has not.
+    assert!(matches!(
+        acquire(&mut client, &id, b"").await,
+        Outcome::InProgress(_)
+    ));
+}

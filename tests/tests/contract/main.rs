@@ -1,0 +1,16 @@
+//! The contract of `proto/idempotency/v1/idempotency.proto`, end to end:
+//! the real server on 127.0.0.1, a real Postgres (a database per test),
+//! the generated client.
+
+mod acquire;
+mod complete;
+mod fail;
+mod lease;
+mod observability;
+mod outage;
+mod race;
+mod scoping;
+mod shutdown;
+mod support;
+mod ttl;
+mod validation;

@@ -1,0 +1,100 @@
+//! The database goes away under a running server, then comes back.
+
+use std::time::Duration;
+
+use idempotency_client::pb;
+use idempotency_tests::{
+    TcpProxy, TestDb, TestServer, record_id, response, server_pool, test_config, unique_key,
+};
+use tonic::{Code, transport::Channel};
+use tonic_health::pb::{
+    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+};
+
+use crate::support::*;
+
+pub async fn health_status(health: &mut HealthClient<Channel>, service: &str) -> ServingStatus {
+    let request = HealthCheckRequest {
+        service: service.into(),
+    };
+    health
+        .check(request)
+        .await
+        .expect("health check")
+        .into_inner()
+        .status()
+}
+
+/// Polls the health service until it reports `expected` for the server and the API.
+pub async fn wait_for_health(health: &mut HealthClient<Channel>, expected: ServingStatus) {
+    for _ in 0..100 {
+        if health_status(health, "").await == expected
+            && health_status(health, "idempotency.v1.IdempotencyService").await == expected
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("health never became {expected:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_the_database_is_down_calls_are_unavailable_and_health_is_not_serving_then_both_recover()
+ {
+    let db = TestDb::new().await;
+    let options = db.connect_options();
+    let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = TcpProxy::start(upstream).await;
+    let pool = server_pool(options.host("127.0.0.1").port(proxy.addr.port()));
+    let server = TestServer::start_with(test_config(), pool).await;
+    let mut client = server.client.clone();
+    let mut health = HealthClient::new(TestServer::channel_to(server.addr).await);
+    wait_for_health(&mut health, ServingStatus::Serving).await;
+    let id = record_id(&unique_key("outage"));
+    let t = token(&acquire(&mut client, &id, b"fp").await);
+
+    proxy.cut().await;
+
+    let acquire_down = client
+        .acquire(pb::AcquireRequest {
+            id: Some(id.clone()),
+            ..Default::default()
+        })
+        .await;
+    assert_error(acquire_down, Code::Unavailable, "DATABASE_UNAVAILABLE");
+    let complete_down = complete(&mut client, &id, t, response(201, "paid")).await;
+    let status = assert_error(complete_down, Code::Unavailable, "DATABASE_UNAVAILABLE");
+    assert!(
+        !status.message().to_lowercase().contains("select"),
+        "no SQL in {status:?}"
+    );
+    wait_for_health(&mut health, ServingStatus::NotServing).await;
+
+    proxy.restore().await;
+
+    wait_for_health(&mut health, ServingStatus::Serving).await;
+    // Pooled connections that died with the outage fail once each (UNAVAILABLE,
+    // which clients retry); within a few retries the same server answers again.
+    let mut completed = None;
+    for _ in 0..20 {
+        match complete(&mut client, &id, t, response(201, "paid")).await {
+            Ok(done) => {
+                completed = Some(done);
+                break;
+            }
+            Err(status) if status.code() == Code::Unavailable => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(status) => panic!("{status:?}"),
+        }
+    }
+    assert!(completed.is_some(), "the server never recovered");
+    assert!(matches!(
+        acquire(&mut client, &id, b"fp").await,
+        pb::acquire_response::Outcome::Completed(_)
+    ));
+}

@@ -1,0 +1,117 @@
+//! Concurrent duplicates never both run the business logic. Real concurrency:
+//! a multi-thread runtime, several HTTP/2 connections, tasks released together.
+
+use std::sync::Arc;
+
+use idempotency_client::pb::{self, acquire_response::Outcome};
+use idempotency_tests::{TestDb, TestServer, record_id, response, unique_key};
+use tokio::sync::Barrier;
+
+use crate::support::*;
+
+const CALLERS: usize = 64;
+const CONNECTIONS: usize = 8;
+
+/// Sends `CALLERS` Acquires for `id` at the same moment and returns every outcome.
+async fn acquire_all_at_once(
+    clients: &[Client],
+    id: &pb::RecordId,
+    fingerprint: &'static [u8],
+) -> Vec<Outcome> {
+    let barrier = Arc::new(Barrier::new(CALLERS));
+    let tasks: Vec<_> = (0..CALLERS)
+        .map(|caller| {
+            let mut client = clients[caller % clients.len()].clone();
+            let barrier = barrier.clone();
+            let id = id.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                acquire(&mut client, &id, fingerprint).await
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::with_capacity(CALLERS);
+    for task in tasks {
+        outcomes.push(task.await.expect("caller task"));
+    }
+    outcomes
+}
+
+async fn clients(server: &TestServer) -> Vec<Client> {
+    let mut clients = Vec::new();
+    for _ in 0..CONNECTIONS {
+        clients.push(server.new_client().await);
+    }
+    clients
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_four_concurrent_acquires_give_exactly_one_holder_then_identical_replays() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let clients = clients(&server).await;
+
+    for round in 0..20 {
+        let id = record_id(&unique_key(&format!("race{round}")));
+
+        let outcomes = acquire_all_at_once(&clients, &id, b"same request").await;
+
+        let acquired: Vec<_> = outcomes
+            .iter()
+            .filter(|o| matches!(o, Outcome::Acquired(_)))
+            .collect();
+        let in_progress = outcomes
+            .iter()
+            .filter(|o| matches!(o, Outcome::InProgress(_)))
+            .count();
+        assert_eq!(acquired.len(), 1, "round {round}: {outcomes:?}");
+        assert_eq!(in_progress, CALLERS - 1, "round {round}: {outcomes:?}");
+        assert_eq!(token(acquired[0]), 1);
+
+        let stored = response(201, &format!(r#"{{"payment":"{round}"}}"#));
+        complete(&mut clients[0].clone(), &id, 1, stored.clone())
+            .await
+            .unwrap();
+
+        let replays = acquire_all_at_once(&clients, &id, b"same request").await;
+
+        for outcome in &replays {
+            let Outcome::Completed(completed) = outcome else {
+                panic!("round {round}: {outcome:?}")
+            };
+            assert_eq!(completed.response.as_ref(), Some(&stored), "round {round}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_takeovers_of_a_lapsed_lease_give_exactly_one_new_holder() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let clients = clients(&server).await;
+    let ids: Vec<_> = (0..5)
+        .map(|n| record_id(&unique_key(&format!("lapsed{n}"))))
+        .collect();
+    for id in &ids {
+        token(&acquire_leased(&mut clients[0].clone(), id, b"fp", 1).await);
+    }
+    wait_past(1).await;
+
+    for id in &ids {
+        let outcomes = acquire_all_at_once(&clients, id, b"fp").await;
+
+        let tokens: Vec<u64> = outcomes
+            .iter()
+            .filter_map(|o| match o {
+                Outcome::Acquired(a) => Some(a.fencing_token),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(tokens, vec![2], "{outcomes:?}");
+        let in_progress = outcomes
+            .iter()
+            .filter(|o| matches!(o, Outcome::InProgress(_)))
+            .count();
+        assert_eq!(in_progress, CALLERS - 1);
+    }
+}

@@ -1,0 +1,75 @@
+//! Graceful shutdown: in-flight calls finish, new ones are refused.
+
+use std::time::Duration;
+
+use idempotency_tests::{TestDb, TestServer, record_id, response, unique_key};
+
+use crate::support::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_flight_call_finishes_after_the_shutdown_signal_and_new_calls_are_refused() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let mut client = server.client.clone();
+    let id = record_id(&unique_key("drain"));
+    let t = token(&acquire(&mut client, &id, b"fp").await);
+    // Hold the row lock so that the Complete below is still running in the
+    // database when the signal arrives.
+    let mut blocker = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM idempotency_records WHERE key = $1 FOR UPDATE")
+        .bind(&id.key)
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let in_flight = tokio::spawn({
+        let mut client = client.clone();
+        let id = id.clone();
+        async move { complete(&mut client, &id, t, response(201, "drained")).await }
+    });
+    wait_for_lock_wait(&db).await;
+
+    let mut server = server;
+    server.signal_shutdown();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let new_connection = tonic::transport::Channel::from_shared(format!("http://{}", server.addr))
+        .unwrap()
+        .connect()
+        .await;
+    assert!(
+        new_connection.is_err(),
+        "a new connection was accepted after the signal"
+    );
+    assert!(!in_flight.is_finished(), "the call was cut short");
+    blocker.rollback().await.unwrap();
+    let finished = in_flight.await.unwrap();
+    assert!(finished.is_ok(), "{finished:?}");
+    tokio::time::timeout(Duration::from_secs(10), server.stop())
+        .await
+        .expect("the server stopped");
+    let completed =
+        sqlx::query_scalar::<_, String>("SELECT state FROM idempotency_records WHERE key = $1")
+            .bind(&id.key)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(completed, "completed");
+}
+
+/// Waits until a statement of the server waits on a row lock.
+async fn wait_for_lock_wait(db: &TestDb) {
+    for _ in 0..100 {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND wait_event_type = 'Lock'",
+        )
+        .bind(&db.name)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the Complete never reached the database");
+}

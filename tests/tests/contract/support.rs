@@ -1,0 +1,144 @@
+//! Short forms of the calls the tests make over and over.
+
+use idempotency_client::pb::{
+    self, acquire_response::Outcome, idempotency_service_client::IdempotencyServiceClient,
+};
+use tonic::{Code, Status, transport::Channel};
+use tonic_types::StatusExt;
+
+pub type Client = IdempotencyServiceClient<Channel>;
+
+pub async fn acquire_request(client: &mut Client, request: pb::AcquireRequest) -> Outcome {
+    client
+        .acquire(request)
+        .await
+        .expect("Acquire succeeds")
+        .into_inner()
+        .outcome
+        .expect("Acquire answers with an outcome")
+}
+
+pub async fn acquire(client: &mut Client, id: &pb::RecordId, fingerprint: &[u8]) -> Outcome {
+    acquire_request(
+        client,
+        pb::AcquireRequest {
+            id: Some(id.clone()),
+            fingerprint: fingerprint.to_vec(),
+            ..Default::default()
+        },
+    )
+    .await
+}
+
+/// Acquires with a lease of `lease_seconds`.
+pub async fn acquire_leased(
+    client: &mut Client,
+    id: &pb::RecordId,
+    fingerprint: &[u8],
+    lease_seconds: i64,
+) -> Outcome {
+    acquire_request(
+        client,
+        pb::AcquireRequest {
+            id: Some(id.clone()),
+            fingerprint: fingerprint.to_vec(),
+            lease: Some(idempotency_tests::seconds(lease_seconds)),
+            ..Default::default()
+        },
+    )
+    .await
+}
+
+/// The fencing token of an ACQUIRED outcome; anything else fails the test.
+pub fn token(outcome: &Outcome) -> u64 {
+    match outcome {
+        Outcome::Acquired(acquired) => acquired.fencing_token,
+        other => panic!("expected ACQUIRED, got {other:?}"),
+    }
+}
+
+pub async fn complete(
+    client: &mut Client,
+    id: &pb::RecordId,
+    fencing_token: u64,
+    response: pb::StoredResponse,
+) -> Result<pb::CompleteResponse, Status> {
+    client
+        .complete(pb::CompleteRequest {
+            id: Some(id.clone()),
+            fencing_token,
+            response: Some(response),
+        })
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+pub async fn fail(
+    client: &mut Client,
+    id: &pb::RecordId,
+    fencing_token: u64,
+    retryable: bool,
+    error_response: Option<pb::StoredResponse>,
+) -> Result<pb::FailResponse, Status> {
+    client
+        .fail(pb::FailRequest {
+            id: Some(id.clone()),
+            fencing_token,
+            retryable,
+            error_response,
+        })
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+pub async fn renew(
+    client: &mut Client,
+    id: &pb::RecordId,
+    fencing_token: u64,
+    lease_seconds: i64,
+) -> Result<pb::RenewResponse, Status> {
+    client
+        .renew(pb::RenewRequest {
+            id: Some(id.clone()),
+            fencing_token,
+            lease: Some(idempotency_tests::seconds(lease_seconds)),
+        })
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+pub async fn get(client: &mut Client, id: &pb::RecordId) -> Result<pb::Record, Status> {
+    client
+        .get(pb::GetRequest {
+            id: Some(id.clone()),
+        })
+        .await
+        .map(|response| {
+            response
+                .into_inner()
+                .record
+                .expect("Get answers with a record")
+        })
+}
+
+/// Asserts the status's code and its `ErrorInfo` reason.
+#[track_caller]
+pub fn assert_error(
+    result: Result<impl std::fmt::Debug, Status>,
+    code: Code,
+    reason: &str,
+) -> Status {
+    let status = result.expect_err("the call should fail");
+    assert_eq!(status.code(), code, "{status:?}");
+    let info = status
+        .get_details_error_info()
+        .expect("an ErrorInfo detail");
+    assert_eq!(info.reason, reason, "{status:?}");
+    assert_eq!(info.domain, "idempotency");
+    status
+}
+
+/// Waits out a lease (or ttl) of `seconds`, with margin for the database clock.
+pub async fn wait_past(seconds: u64) {
+    tokio::time::sleep(std::time::Duration::from_millis(seconds * 1000 + 150)).await;
+}
