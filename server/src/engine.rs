@@ -58,14 +58,6 @@ impl Engine {
         Self { store, limits }
     }
 
-    pub fn limits(&self) -> &Limits {
-        &self.limits
-    }
-
-    pub fn store(&self) -> &Store {
-        &self.store
-    }
-
     pub async fn acquire(&self, request: AcquireRequest) -> Result<AcquireOutcome, Error> {
         let ttl = self.limits.ttl("ttl", request.ttl)?;
         let lease = self.limits.lease("lease", request.lease)?;
@@ -79,7 +71,7 @@ impl Engine {
                 .await?
             {
                 return Ok(AcquireOutcome::Acquired {
-                    fencing_token: row.fencing_token as FencingToken,
+                    fencing_token: row.fencing_token(),
                     lease_expires_at: row.lease_expires_at,
                     expires_at: row.expires_at,
                 });

@@ -49,6 +49,8 @@ const MIN_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
+    #[error("invalid setting {0}")]
+    Settings(#[from] crate::domain::InvalidField),
     #[error("binding {addr}")]
     Bind {
         addr: SocketAddr,
@@ -77,6 +79,7 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener, StartupError> {
 impl Application {
     /// Binds the listeners; nothing is served until [`Self::run_until_stopped`].
     pub async fn build(config: ServerConfig, pool: PgPool) -> Result<Self, StartupError> {
+        config.limits.check()?;
         let grpc_listener = bind(config.grpc_addr).await?;
         let metrics_listener = match config.metrics_addr {
             Some(addr) => Some(bind(addr).await?),
@@ -129,11 +132,13 @@ impl Application {
         let metrics_server = metrics_listener
             .map(|listener| tokio::spawn(serve_metrics(listener, telemetry::metrics_handle())));
 
-        // v1 for current tools, v1alpha for grpcurl 1.8 and older clients.
+        // v1 for current tools, v1alpha for grpcurl 1.8 and older clients. The
+        // google.rpc types let tools decode the error details we send.
         let reflection = || {
             tonic_reflection::server::Builder::configure()
                 .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
                 .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
         };
         let reflection_v1 = reflection().build_v1()?;
         let reflection_v1alpha = reflection().build_v1alpha()?;

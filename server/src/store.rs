@@ -61,9 +61,16 @@ pub type StoreResult<T> = Result<T, StoreError>;
 /// What a successful Acquire statement returns.
 #[derive(Debug, sqlx::FromRow)]
 pub struct AcquiredRow {
-    pub fencing_token: i64,
+    fencing_token: i64,
     pub lease_expires_at: Timestamp,
     pub expires_at: Timestamp,
+}
+
+impl AcquiredRow {
+    pub fn fencing_token(&self) -> FencingToken {
+        // The schema keeps tokens positive.
+        self.fencing_token as FencingToken
+    }
 }
 
 /// A record as stored, with the database clock's view of it.

@@ -29,6 +29,20 @@ impl Default for Limits {
 }
 
 impl Limits {
+    /// Checks that the defaults lie within the maxima, so no request that
+    /// leaves a duration out could be refused for it.
+    pub fn check(&self) -> Result<(), InvalidField> {
+        within("default_ttl", self.default_ttl, self.max_ttl)?;
+        within("default_lease", self.default_lease, self.max_lease)?;
+        if self.max_response_bytes == 0 {
+            return Err(InvalidField::new(
+                "max_response_bytes",
+                "must be at least 1",
+            ));
+        }
+        Ok(())
+    }
+
     /// The record lifetime to use: the request's, or the default.
     pub fn ttl(&self, field: &str, requested: Option<Duration>) -> Result<Duration, InvalidField> {
         within(field, requested.unwrap_or(self.default_ttl), self.max_ttl)
@@ -74,6 +88,21 @@ mod tests {
             limits.lease("lease", None).unwrap(),
             Duration::from_secs(60)
         );
+    }
+
+    #[test]
+    fn defaults_outside_the_maxima_are_refused() {
+        assert!(Limits::default().check().is_ok());
+        let limits = Limits {
+            default_lease: Duration::from_secs(7200),
+            ..Limits::default()
+        };
+        assert_eq!(limits.check().unwrap_err().field, "default_lease");
+        let limits = Limits {
+            default_ttl: Duration::from_millis(10),
+            ..Limits::default()
+        };
+        assert_eq!(limits.check().unwrap_err().field, "default_ttl");
     }
 
     #[test]

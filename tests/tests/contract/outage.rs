@@ -98,3 +98,51 @@ async fn while_the_database_is_down_calls_are_unavailable_and_health_is_not_serv
         pb::acquire_response::Outcome::Completed(_)
     ));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exhausted_pool_answers_unavailable_instead_of_hanging() {
+    use idempotency_server::db::{self, PoolSettings};
+    let db = TestDb::new().await;
+    let settings = PoolSettings {
+        max_connections: 1,
+        acquire_timeout: Duration::from_millis(300),
+        ..PoolSettings::default()
+    };
+    let server =
+        TestServer::start_with(test_config(), db::pool(db.connect_options(), &settings)).await;
+    let mut client = server.client.clone();
+    let id = record_id(&unique_key("exhausted"));
+    let t = token(&acquire(&mut client, &id, b"fp").await);
+    // A Complete stuck behind a row lock holds the only connection.
+    let mut blocker = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM idempotency_records WHERE key = $1 FOR UPDATE")
+        .bind(&id.key)
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let stuck = tokio::spawn({
+        let mut client = client.clone();
+        let id = id.clone();
+        async move { complete(&mut client, &id, t, response(201, "stuck")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let other = acquire_request_raw(&mut client, &record_id(&unique_key("other"))).await;
+
+    assert_error(other, Code::Unavailable, "DATABASE_UNAVAILABLE");
+    blocker.rollback().await.unwrap();
+    assert!(stuck.await.unwrap().is_ok());
+}
+
+async fn acquire_request_raw(
+    client: &mut Client,
+    id: &pb::RecordId,
+) -> Result<pb::AcquireResponse, tonic::Status> {
+    client
+        .acquire(pb::AcquireRequest {
+            id: Some(id.clone()),
+            ..Default::default()
+        })
+        .await
+        .map(tonic::Response::into_inner)
+}
