@@ -47,6 +47,9 @@ impl ServerConfig {
 /// caller gets INVALID_ARGUMENT naming it.
 const MIN_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 
+/// After draining, how long to wait for the pool's connections to come back.
+const POOL_CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
+
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
     #[error("invalid setting {0}")]
@@ -171,7 +174,7 @@ impl Application {
                 match tokio::time::timeout(config.drain_timeout, &mut server).await {
                     Ok(result) => result.map_err(StartupError::from),
                     Err(_) => {
-                        tracing::warn!(timeout = ?config.drain_timeout, "in-flight calls did not finish in time; dropping them");
+                        tracing::warn!(timeout = ?config.drain_timeout, "in-flight calls did not finish in time");
                         Ok(())
                     }
                 }
@@ -181,7 +184,15 @@ impl Application {
         if let Some(task) = metrics_server {
             task.abort();
         }
-        pool.close().await;
+        // Each connection runs in its own task, so calls that outlived the
+        // drain timeout may still hold database connections: bound the wait
+        // for them too. Returning ends the process, and those calls with it.
+        if tokio::time::timeout(POOL_CLOSE_TIMEOUT, pool.close())
+            .await
+            .is_err()
+        {
+            tracing::warn!("calls still held database connections at exit");
+        }
         tracing::info!("stopped");
         result
     }

@@ -73,3 +73,35 @@ async fn wait_for_lock_wait(db: &TestDb) {
     }
     panic!("the Complete never reached the database");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draining_is_bounded_by_the_drain_timeout_even_when_a_call_is_stuck() {
+    let db = TestDb::new().await;
+    let config = idempotency_server::startup::ServerConfig {
+        drain_timeout: Duration::from_millis(300),
+        ..idempotency_tests::test_config()
+    };
+    let mut server =
+        TestServer::start_with(config, idempotency_tests::server_pool(db.connect_options())).await;
+    let mut client = server.client.clone();
+    let id = record_id(&unique_key("stuck"));
+    let t = token(&acquire(&mut client, &id, b"fp").await);
+    let mut blocker = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM idempotency_records WHERE key = $1 FOR UPDATE")
+        .bind(&id.key)
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let _stuck =
+        tokio::spawn(async move { complete(&mut client, &id, t, response(201, "stuck")).await });
+    wait_for_lock_wait(&db).await;
+
+    server.signal_shutdown();
+
+    // The stuck statement would run until the 5 s statement timeout; the
+    // server must stop well before, while the lock is still held.
+    tokio::time::timeout(Duration::from_secs(4), server.stop())
+        .await
+        .expect("the server stopped within its drain timeout");
+    blocker.rollback().await.unwrap();
+}
