@@ -6,10 +6,10 @@ cd "$(dirname "$0")/.."
 
 scripts/lint-proto.sh
 cargo fmt --all -- --check
-cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 if cargo nextest --version >/dev/null 2>&1; then
-  cargo nextest run --workspace --locked --no-fail-fast
+  cargo nextest run --workspace --all-features --locked --no-fail-fast
 else
   echo "cargo-nextest not found; using cargo test (install it: cargo install cargo-nextest --locked)" >&2
-  cargo test --workspace --locked --no-fail-fast
+  cargo test --workspace --all-features --locked --no-fail-fast
 fi

@@ -1,0 +1,440 @@
+//! The typed client: connection set-up, per-call timeouts, and retries of
+//! transient errors with exponential backoff and jitter.
+
+use std::{
+    future::Future,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use tonic::{
+    Response, Status,
+    transport::{Channel, Endpoint},
+};
+
+use crate::{
+    error::{Error, is_transient},
+    lease::{Acquisition, Lease},
+    pb::{self, idempotency_service_client::IdempotencyServiceClient},
+    types::{
+        AcquireRequest, Record, RecordId, RecordState, StoredResponse, duration_from_pb,
+        duration_to_pb, time_from_pb,
+    },
+};
+
+/// How transient errors (`UNAVAILABLE`, `DEADLINE_EXCEEDED`, a reset
+/// connection) are retried. Safe because every RPC of the service is idempotent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Calls at most, the first included. 1 disables retries.
+    pub max_attempts: u32,
+    /// Backoff ceiling before the second call; doubles per attempt.
+    pub initial_backoff: Duration,
+    /// Largest backoff ceiling.
+    pub max_backoff: Duration,
+    /// No new attempt starts after this much time since the first.
+    pub max_elapsed: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_attempts: 4,
+            initial_backoff: Duration::from_millis(25),
+            max_backoff: Duration::from_secs(1),
+            max_elapsed: Duration::from_secs(5),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// One call, no retries.
+    pub fn none() -> Self {
+        Self {
+            max_attempts: 1,
+            ..Self::default()
+        }
+    }
+
+    /// "Full jitter": a uniform pick below the exponential ceiling, so that
+    /// many callers failing together do not retry together.
+    fn backoff(&self, retry: u32) -> Duration {
+        let ceiling = self
+            .initial_backoff
+            .saturating_mul(1u32 << retry.min(16))
+            .min(self.max_backoff);
+        ceiling.mul_f64(fastrand::f64())
+    }
+}
+
+/// Settings of a [`Client`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientOptions {
+    /// Deadline of each call attempt (sent as `grpc-timeout` too).
+    pub timeout: Duration,
+    /// Retries of transient errors.
+    pub retry: RetryPolicy,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_secs(2),
+            retry: RetryPolicy::default(),
+        }
+    }
+}
+
+/// A handle to the idempotency service. Cheap to clone; clones share the connection.
+#[derive(Debug, Clone)]
+pub struct Client {
+    // Shared, so that a clone (one per Lease) is a pointer, not a channel.
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    stub: IdempotencyServiceClient<Channel>,
+    options: ClientOptions,
+}
+
+impl Client {
+    /// Connects to one endpoint, e.g. `http://idempotency:50051`, with default options.
+    pub async fn connect(endpoint: impl Into<String>) -> Result<Self, Error> {
+        ClientBuilder::new().endpoint(endpoint).connect().await
+    }
+
+    /// Starts a [`ClientBuilder`] for several endpoints, TLS, or other options.
+    pub fn builder() -> ClientBuilder {
+        ClientBuilder::new()
+    }
+
+    /// Wraps a channel you built yourself.
+    pub fn from_channel(channel: Channel) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                stub: IdempotencyServiceClient::new(channel),
+                options: ClientOptions::default(),
+            }),
+        }
+    }
+
+    /// The same connection with other options.
+    pub fn with_options(self, options: ClientOptions) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                stub: self.inner.stub.clone(),
+                options,
+            }),
+        }
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &ClientOptions {
+        &self.inner.options
+    }
+
+    /// Reserves a key, or tells why not to run the business logic now.
+    pub async fn acquire(&self, request: &AcquireRequest) -> Result<Acquisition, Error> {
+        let message = request.to_pb();
+        let response = self
+            .call(|mut stub| {
+                let message = message.clone();
+                async move { stub.acquire(message).await }
+            })
+            .await?;
+        use pb::acquire_response::Outcome;
+        Ok(match response.outcome {
+            Some(Outcome::Acquired(acquired)) => Acquisition::Proceed(Lease::new(
+                self.clone(),
+                request.id.clone(),
+                acquired.fencing_token,
+                time_from_pb(acquired.lease_expires_at),
+                time_from_pb(acquired.expires_at),
+            )),
+            Some(Outcome::InProgress(in_progress)) => Acquisition::InProgress {
+                retry_after: duration_from_pb(in_progress.retry_after),
+                lease_expires_at: time_from_pb(in_progress.lease_expires_at),
+            },
+            Some(Outcome::Completed(completed)) => {
+                Acquisition::Replay(StoredResponse::from_pb(completed.response))
+            }
+            Some(Outcome::Failed(failed)) => {
+                Acquisition::Failed(StoredResponse::from_pb(failed.error_response))
+            }
+            Some(Outcome::FingerprintMismatch(_)) => Acquisition::FingerprintMismatch,
+            None => return Err(Error::Internal("Acquire answered no outcome".into())),
+        })
+    }
+
+    /// Reads a record; `None` when no live record has this id.
+    pub async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+        let message = pb::GetRequest {
+            id: Some(id.to_pb()),
+        };
+        let record = match self
+            .call(|mut stub| {
+                let message = message.clone();
+                async move { stub.get(message).await }
+            })
+            .await
+        {
+            Ok(response) => response.record.unwrap_or_default(),
+            Err(Error::NotFound) => return Ok(None),
+            Err(error) => return Err(error),
+        };
+        let state = RecordState::from_pb(record.state)
+            .ok_or_else(|| Error::Internal(format!("unknown record state {}", record.state)))?;
+        Ok(Some(Record {
+            state,
+            fingerprint: record.fingerprint,
+            fencing_token: record.fencing_token,
+            created_at: time_from_pb(record.created_at),
+            expires_at: time_from_pb(record.expires_at),
+            lease_expires_at: record.lease_expires_at.map(|t| time_from_pb(Some(t))),
+            completed_at: record.completed_at.map(|t| time_from_pb(Some(t))),
+            response: record.response.map(|r| StoredResponse::from_pb(Some(r))),
+        }))
+    }
+
+    pub(crate) async fn complete(
+        &self,
+        id: &RecordId,
+        fencing_token: u64,
+        response: &StoredResponse,
+    ) -> Result<(), Error> {
+        let message = pb::CompleteRequest {
+            id: Some(id.to_pb()),
+            fencing_token,
+            response: Some(response.to_pb()),
+        };
+        self.call(|mut stub| {
+            let message = message.clone();
+            async move { stub.complete(message).await }
+        })
+        .await
+        .map(drop)
+    }
+
+    pub(crate) async fn fail(
+        &self,
+        id: &RecordId,
+        fencing_token: u64,
+        error_response: Option<&StoredResponse>,
+    ) -> Result<(), Error> {
+        let message = pb::FailRequest {
+            id: Some(id.to_pb()),
+            fencing_token,
+            retryable: error_response.is_none(),
+            error_response: error_response.map(StoredResponse::to_pb),
+        };
+        self.call(|mut stub| {
+            let message = message.clone();
+            async move { stub.fail(message).await }
+        })
+        .await
+        .map(drop)
+    }
+
+    pub(crate) async fn renew(
+        &self,
+        id: &RecordId,
+        fencing_token: u64,
+        lease: Duration,
+    ) -> Result<pb::RenewResponse, Error> {
+        let message = pb::RenewRequest {
+            id: Some(id.to_pb()),
+            fencing_token,
+            lease: Some(duration_to_pb(lease)),
+        };
+        self.call(|mut stub| {
+            let message = message.clone();
+            async move { stub.renew(message).await }
+        })
+        .await
+    }
+
+    /// Makes one call with the per-attempt deadline, retrying transient errors.
+    async fn call<T, F, Fut>(&self, mut attempt: F) -> Result<T, Error>
+    where
+        F: FnMut(IdempotencyServiceClient<Channel>) -> Fut,
+        Fut: Future<Output = Result<Response<T>, Status>>,
+    {
+        let options = &self.inner.options;
+        let policy = &options.retry;
+        let started = Instant::now();
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let status =
+                match tokio::time::timeout(options.timeout, attempt(self.inner.stub.clone())).await
+                {
+                    Ok(Ok(response)) => return Ok(response.into_inner()),
+                    Ok(Err(status)) => status,
+                    Err(_) => Status::deadline_exceeded("the call exceeded the client's timeout"),
+                };
+            let pause = policy.backoff(attempts - 1);
+            let may_retry = is_transient(status.code())
+                && attempts < policy.max_attempts
+                && started.elapsed() + pause < policy.max_elapsed;
+            if !may_retry {
+                return Err(Error::from_status(status, attempts));
+            }
+            tracing::debug!(code = ?status.code(), attempts, ?pause, "retrying the idempotency service");
+            tokio::time::sleep(pause).await;
+        }
+    }
+}
+
+/// Builds a [`Client`]: one or several endpoints (balanced), timeouts, TLS, retries.
+#[derive(Debug, Clone)]
+pub struct ClientBuilder {
+    endpoints: Vec<String>,
+    options: ClientOptions,
+    connect_timeout: Duration,
+    #[cfg(feature = "tls")]
+    tls: Option<tonic::transport::ClientTlsConfig>,
+}
+
+impl Default for ClientBuilder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ClientBuilder {
+    /// No endpoints yet, default options.
+    pub fn new() -> Self {
+        Self {
+            endpoints: Vec::new(),
+            options: ClientOptions::default(),
+            connect_timeout: Duration::from_secs(2),
+            #[cfg(feature = "tls")]
+            tls: None,
+        }
+    }
+
+    /// Adds an endpoint, e.g. `http://idempotency:50051` (`https://` with the `tls` feature).
+    pub fn endpoint(mut self, endpoint: impl Into<String>) -> Self {
+        self.endpoints.push(endpoint.into());
+        self
+    }
+
+    /// Adds several endpoints; calls are balanced across them.
+    pub fn endpoints<I, S>(mut self, endpoints: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.endpoints.extend(endpoints.into_iter().map(Into::into));
+        self
+    }
+
+    /// Deadline of each call attempt (default 2 s).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.options.timeout = timeout;
+        self
+    }
+
+    /// How long establishing a connection may take (default 2 s).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Retries of transient errors.
+    pub fn retry(mut self, retry: RetryPolicy) -> Self {
+        self.options.retry = retry;
+        self
+    }
+
+    /// TLS settings, e.g. `ClientTlsConfig::new().with_webpki_roots()` or your own CA.
+    #[cfg(feature = "tls")]
+    pub fn tls(mut self, tls: tonic::transport::ClientTlsConfig) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    fn build_endpoints(&self) -> Result<Vec<Endpoint>, Error> {
+        if self.endpoints.is_empty() {
+            return Err(Error::Config("no endpoint given".into()));
+        }
+        self.endpoints
+            .iter()
+            .map(|uri| {
+                let endpoint = Endpoint::from_shared(uri.clone())
+                    .map_err(|error| Error::Config(format!("endpoint {uri:?}: {error}")))?
+                    .connect_timeout(self.connect_timeout)
+                    .tcp_nodelay(true)
+                    .http2_keep_alive_interval(Duration::from_secs(30))
+                    .keep_alive_while_idle(true);
+                #[cfg(feature = "tls")]
+                let endpoint = match &self.tls {
+                    Some(tls) => endpoint
+                        .tls_config(tls.clone())
+                        .map_err(|error| Error::Config(format!("TLS for {uri:?}: {error}")))?,
+                    None => endpoint,
+                };
+                Ok(endpoint)
+            })
+            .collect()
+    }
+
+    /// A client that connects on first use: building it never fails for an
+    /// unreachable service, so a fail-open caller can start without one.
+    pub fn connect_lazy(self) -> Result<Client, Error> {
+        let mut endpoints = self.build_endpoints()?;
+        let channel = if endpoints.len() == 1 {
+            endpoints.remove(0).connect_lazy()
+        } else {
+            Channel::balance_list(endpoints.into_iter())
+        };
+        Ok(Client::from_channel(channel).with_options(self.options))
+    }
+
+    /// A client whose (single) endpoint answered; with several endpoints
+    /// this is [`Self::connect_lazy`], since the balancer connects on its own.
+    pub async fn connect(self) -> Result<Client, Error> {
+        let mut endpoints = self.build_endpoints()?;
+        if endpoints.len() > 1 {
+            return self.connect_lazy();
+        }
+        let channel = endpoints
+            .remove(0)
+            .connect()
+            .await
+            .map_err(|error| Error::Unavailable {
+                attempts: 1,
+                message: format!("connecting: {error}"),
+            })?;
+        Ok(Client::from_channel(channel).with_options(self.options))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_stays_under_its_doubling_ceiling() {
+        let policy = RetryPolicy::default();
+        for retry in 0..10 {
+            let ceiling = (policy.initial_backoff * 2u32.pow(retry)).min(policy.max_backoff);
+            for _ in 0..100 {
+                assert!(policy.backoff(retry) <= ceiling);
+            }
+        }
+    }
+
+    #[test]
+    fn a_builder_without_endpoints_is_a_config_error() {
+        assert!(matches!(
+            ClientBuilder::new().connect_lazy(),
+            Err(Error::Config(_))
+        ));
+        assert!(matches!(
+            ClientBuilder::new().endpoint("not a uri").connect_lazy(),
+            Err(Error::Config(_))
+        ));
+    }
+}

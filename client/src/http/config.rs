@@ -1,0 +1,159 @@
+use std::{sync::Arc, time::Duration};
+
+use http::{HeaderName, Method, StatusCode, header, request::Parts};
+
+use crate::OnUnavailable;
+
+type SubjectFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+type StoreFn = dyn Fn(StatusCode) -> bool + Send + Sync;
+
+/// How [`super::IdempotencyLayer`] applies the contract.
+#[derive(Clone)]
+pub struct HttpConfig {
+    pub(crate) namespace: String,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) require_key: bool,
+    pub(crate) subject: Arc<SubjectFn>,
+    pub(crate) excluded_pointers: Vec<String>,
+    pub(crate) max_body_bytes: usize,
+    pub(crate) max_stored_bytes: usize,
+    pub(crate) store: Arc<StoreFn>,
+    pub(crate) replay_headers: Vec<HeaderName>,
+    pub(crate) on_unavailable: OnUnavailable,
+    pub(crate) ttl: Option<Duration>,
+    pub(crate) lease: Duration,
+    pub(crate) renew_every: Option<Duration>,
+}
+
+impl std::fmt::Debug for HttpConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpConfig")
+            .field("namespace", &self.namespace)
+            .field("methods", &self.methods)
+            .field("require_key", &self.require_key)
+            .field("excluded_pointers", &self.excluded_pointers)
+            .field("max_body_bytes", &self.max_body_bytes)
+            .field("max_stored_bytes", &self.max_stored_bytes)
+            .field("replay_headers", &self.replay_headers)
+            .field("on_unavailable", &self.on_unavailable)
+            .field("ttl", &self.ttl)
+            .field("lease", &self.lease)
+            .field("renew_every", &self.renew_every)
+            .finish_non_exhaustive()
+    }
+}
+
+/// 2xx and 4xx are answers worth replaying; a 5xx says "try again", so its key is released.
+fn store_2xx_and_4xx(status: StatusCode) -> bool {
+    status.is_success() || status.is_client_error()
+}
+
+impl HttpConfig {
+    /// Defaults for a service named `namespace` (the calling service's
+    /// namespace at the idempotency service): POST and PATCH, key optional,
+    /// no subject, 1 MiB bodies, 2xx/4xx stored, fail closed, 60 s lease
+    /// renewed every 20 s while the handler runs.
+    pub fn new(namespace: impl Into<String>) -> Self {
+        Self {
+            namespace: namespace.into(),
+            methods: vec![Method::POST, Method::PATCH],
+            require_key: false,
+            subject: Arc::new(|_| None),
+            excluded_pointers: Vec::new(),
+            max_body_bytes: 1024 * 1024,
+            max_stored_bytes: 1024 * 1024,
+            store: Arc::new(store_2xx_and_4xx),
+            replay_headers: vec![
+                header::CONTENT_TYPE,
+                header::CONTENT_LANGUAGE,
+                header::LOCATION,
+                header::ETAG,
+                header::LAST_MODIFIED,
+                header::CACHE_CONTROL,
+            ],
+            on_unavailable: OnUnavailable::FailClosed,
+            ttl: None,
+            lease: Duration::from_secs(60),
+            renew_every: Some(Duration::from_secs(20)),
+        }
+    }
+
+    /// The methods the contract applies to; others pass through.
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Answer `400` to a covered request without `Idempotency-Key`
+    /// (otherwise it passes through unprotected).
+    pub fn require_key(mut self, require: bool) -> Self {
+        self.require_key = require;
+        self
+    }
+
+    /// On whose behalf a request is made, e.g. the authenticated user id
+    /// from a header or an extension your auth layer set. `None`: no subject.
+    pub fn subject(
+        mut self,
+        subject: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.subject = Arc::new(subject);
+        self
+    }
+
+    /// Leave a volatile JSON field out of the fingerprint, by JSON Pointer (e.g. `/meta/trace_id`).
+    pub fn exclude_json_pointer(mut self, pointer: impl Into<String>) -> Self {
+        self.excluded_pointers.push(pointer.into());
+        self
+    }
+
+    /// Largest request body read (default 1 MiB); larger is `413`.
+    pub fn max_body_bytes(mut self, bytes: usize) -> Self {
+        self.max_body_bytes = bytes;
+        self
+    }
+
+    /// Largest response stored (default 1 MiB, the service's default limit);
+    /// a larger one is answered but not stored, and its key is released.
+    pub fn max_stored_bytes(mut self, bytes: usize) -> Self {
+        self.max_stored_bytes = bytes;
+        self
+    }
+
+    /// Which statuses are stored for replay; the others release the key so
+    /// the client may retry. Default: 2xx and 4xx.
+    pub fn store_when(
+        mut self,
+        store: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.store = Arc::new(store);
+        self
+    }
+
+    /// The response headers stored and replayed (default: content-type,
+    /// content-language, location, etag, last-modified, cache-control).
+    pub fn replay_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.replay_headers = headers.into_iter().collect();
+        self
+    }
+
+    /// Fail closed (`503`, default) or open (run unprotected) when the service is unreachable.
+    pub fn on_unavailable(mut self, policy: OnUnavailable) -> Self {
+        self.on_unavailable = policy;
+        self
+    }
+
+    /// How long keys are remembered (default: the service's, 24 h).
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = Some(ttl);
+        self
+    }
+
+    /// The lease of a running handler, and how often it is renewed while the
+    /// handler runs (`None`: never; the handler must finish within `lease`).
+    pub fn lease(mut self, lease: Duration, renew_every: Option<Duration>) -> Self {
+        self.lease = lease;
+        self.renew_every = renew_every;
+        self
+    }
+}

@@ -1,0 +1,62 @@
+//! The HTTP `Idempotency-Key` contract as a tower layer (feature `http`),
+//! for axum, hyper, or any `http::Request` / `http::Response` service.
+//!
+//! For the routes it wraps and the methods it covers (POST and PATCH by default):
+//!
+//! | Request | Answer |
+//! |---|---|
+//! | no `Idempotency-Key` | passed through, or `400` when [`HttpConfig::require_key`] |
+//! | malformed key, or a body that is not readable | `400` (`application/problem+json`) |
+//! | body over [`HttpConfig::max_body_bytes`] | `413` |
+//! | first request | the handler runs; its response is stored (by default 2xx and 4xx) or the key released (5xx) |
+//! | duplicate while the first runs | `409` with `Retry-After` |
+//! | duplicate after it finished | the stored status, allow-listed headers and body, with `Idempotent-Replayed: true` |
+//! | same key, another body | `422` |
+//! | idempotency service unreachable | `503` (fail closed, default) or the handler unprotected (fail open) |
+//!
+//! The scope of a key: namespace = [`HttpConfig::new`]'s service name,
+//! operation = method + route template (axum's `MatchedPath`, else the
+//! path), subject = [`HttpConfig::subject`] of the request (e.g. the
+//! authenticated user), so one user's key never answers another's.
+//!
+//! Once a request holds the key, its handler runs in a task of its own and
+//! its response is stored even if the client goes away: a client that timed
+//! out and retries gets `409` and then the stored response, and the handler
+//! runs once.
+//!
+//! ```no_run
+//! use axum::{Router, routing::post};
+//! use idempotency_client::{Client, http::{HttpConfig, IdempotencyLayer}};
+//!
+//! # async fn create_payment() -> &'static str { "ok" }
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! let client = Client::builder().endpoint("http://idempotency:50051").connect_lazy()?;
+//! let config = HttpConfig::new("payments")
+//!     .require_key(true)
+//!     .exclude_json_pointer("/meta/trace_id")
+//!     .subject(|request| {
+//!         request.headers.get("x-user-id").and_then(|v| v.to_str().ok()).map(str::to_owned)
+//!     });
+//! let app: Router = Router::new()
+//!     .route("/payments", post(create_payment))
+//!     .layer(IdempotencyLayer::new(client, config));
+//! # Ok(())
+//! # }
+//! ```
+
+mod body;
+mod config;
+mod key;
+mod layer;
+mod problem;
+mod service;
+
+pub use body::{BoxError, ResponseBody};
+pub use config::HttpConfig;
+pub use layer::IdempotencyLayer;
+pub use service::Idempotency;
+
+/// The request header carrying the key (IETF draft `Idempotency-Key`).
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// Set to `true` on responses replayed from storage.
+pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";

@@ -1,0 +1,54 @@
+//! Errors as `application/problem+json` (RFC 9457).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+
+use super::body::ResponseBody;
+
+/// A problem response with a stable `type` URI per problem.
+pub(crate) fn problem(status: StatusCode, kind: &str, detail: &str) -> Response<ResponseBody> {
+    let body = serde_json::json!({
+        // A URN: stable, and no claim on a web address we do not serve.
+        "type": format!("urn:idempotency:problem:{kind}"),
+        "title": status.canonical_reason().unwrap_or("Error"),
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    let mut response = Response::new(super::body::full(Bytes::from(body.to_string())));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    response
+}
+
+/// `409`: another request with this key is still being processed.
+pub(crate) fn in_progress(retry_after: Duration) -> Response<ResponseBody> {
+    let mut response = problem(
+        StatusCode::CONFLICT,
+        "request-in-progress",
+        "a request with this Idempotency-Key is still being processed; retry later",
+    );
+    // Whole seconds, at least one.
+    let seconds = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
+    response
+}
+
+/// `503`: the idempotency service cannot be reached and the route fails closed.
+pub(crate) fn unavailable() -> Response<ResponseBody> {
+    let mut response = problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "idempotency-unavailable",
+        "idempotency cannot be guaranteed right now; retry later with the same Idempotency-Key",
+    );
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    response
+}

@@ -1,0 +1,216 @@
+//! The outcome of Acquire, and the lease an attempt holds.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, SystemTime},
+};
+
+use tokio::task::JoinHandle;
+
+use crate::{Client, Error, RecordId, StoredResponse, types::time_from_pb};
+
+/// What Acquire answered.
+#[derive(Debug)]
+#[must_use = "an Acquisition says whether to run the business logic"]
+pub enum Acquisition {
+    /// You hold the key: run the business logic, then complete or fail the lease.
+    Proceed(Lease),
+    /// Another attempt holds a live lease: answer "in progress, retry later".
+    InProgress {
+        /// When to retry (the remaining lease, at most a second).
+        retry_after: Duration,
+        /// When the other attempt's lease ends, unless renewed.
+        lease_expires_at: SystemTime,
+    },
+    /// A previous attempt completed: answer with its response.
+    Replay(StoredResponse),
+    /// A previous attempt failed terminally: answer with its error.
+    Failed(StoredResponse),
+    /// The key was first used with another request: a client bug (HTTP 422).
+    FingerprintMismatch,
+}
+
+/// The right to run the business logic for one key, identified by a fencing
+/// token. Pass the token along to storage that can check it, so that a
+/// holder whose lease was taken over cannot write.
+///
+/// Dropping a lease that was neither completed nor failed releases the key
+/// (a retryable Fail, best effort, on the current Tokio runtime), so a
+/// panic or a cancelled request does not wedge the key until its lease ends.
+#[derive(Debug)]
+pub struct Lease {
+    client: Client,
+    id: RecordId,
+    fencing_token: u64,
+    lease_expires_at: SystemTime,
+    expires_at: SystemTime,
+    finished: bool,
+    keep_alive: Option<JoinHandle<()>>,
+    lost: Arc<AtomicBool>,
+}
+
+impl Lease {
+    pub(crate) fn new(
+        client: Client,
+        id: RecordId,
+        fencing_token: u64,
+        lease_expires_at: SystemTime,
+        expires_at: SystemTime,
+    ) -> Self {
+        Self {
+            client,
+            id,
+            fencing_token,
+            lease_expires_at,
+            expires_at,
+            finished: false,
+            keep_alive: None,
+            lost: Arc::default(),
+        }
+    }
+
+    /// The record this lease is on.
+    pub fn id(&self) -> &RecordId {
+        &self.id
+    }
+
+    /// 1 for a new record, one more on every takeover.
+    pub fn fencing_token(&self) -> u64 {
+        self.fencing_token
+    }
+
+    /// When the lease ends, as of the last Acquire or [`Lease::renew`].
+    pub fn lease_expires_at(&self) -> SystemTime {
+        self.lease_expires_at
+    }
+
+    /// When the record expires.
+    pub fn expires_at(&self) -> SystemTime {
+        self.expires_at
+    }
+
+    /// True once the background renewal learnt that another attempt took the key over.
+    pub fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::Relaxed)
+    }
+
+    /// A flag that turns true when the lease is known lost; share it with the business logic.
+    pub fn lost_flag(&self) -> Arc<AtomicBool> {
+        self.lost.clone()
+    }
+
+    /// Extends the lease to `lease` from now.
+    pub async fn renew(&mut self, lease: Duration) -> Result<(), Error> {
+        let renewed = self
+            .client
+            .renew(&self.id, self.fencing_token, lease)
+            .await
+            .inspect_err(|error| self.note_loss(error))?;
+        self.lease_expires_at = time_from_pb(renewed.lease_expires_at);
+        self.expires_at = time_from_pb(renewed.expires_at);
+        Ok(())
+    }
+
+    /// Renews the lease to `lease` every `every` in the background until the
+    /// lease is completed, failed or dropped. Pick `every` well below `lease`
+    /// (a third, say) so one missed renewal does not lose it.
+    pub fn keep_alive(&mut self, every: Duration, lease: Duration) {
+        self.stop_keep_alive();
+        let client = self.client.clone();
+        let id = self.id.clone();
+        let token = self.fencing_token;
+        let lost = self.lost.clone();
+        self.keep_alive = Some(tokio::spawn(async move {
+            let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            loop {
+                ticker.tick().await;
+                match client.renew(&id, token, lease).await {
+                    Ok(_) => {}
+                    Err(Error::LeaseLost | Error::NotFound | Error::NotInProgress) => {
+                        tracing::warn!(key = %id.key, "lease lost while renewing");
+                        lost.store(true, Ordering::Relaxed);
+                        return;
+                    }
+                    // Transient: the next tick tries again while the lease lasts.
+                    Err(error) => tracing::debug!(%error, "renewal failed"),
+                }
+            }
+        }));
+    }
+
+    /// Stores the response; later Acquires replay it. [`Error::LeaseLost`]
+    /// means another attempt took over: the business logic may have run twice.
+    pub async fn complete(&mut self, response: &StoredResponse) -> Result<(), Error> {
+        let result = self
+            .client
+            .complete(&self.id, self.fencing_token, response)
+            .await;
+        self.settle(result)
+    }
+
+    /// Fails terminally, storing `error_response`; later Acquires get it as [`Acquisition::Failed`].
+    pub async fn fail(&mut self, error_response: &StoredResponse) -> Result<(), Error> {
+        let result = self
+            .client
+            .fail(&self.id, self.fencing_token, Some(error_response))
+            .await;
+        self.settle(result)
+    }
+
+    /// Releases the key (a retryable failure): the next Acquire takes it over.
+    pub async fn release(&mut self) -> Result<(), Error> {
+        let result = self.client.fail(&self.id, self.fencing_token, None).await;
+        self.settle(result)
+    }
+
+    /// After a finishing call: whatever the server said other than
+    /// "unavailable" is final, so nothing is left to release on drop.
+    fn settle(&mut self, result: Result<(), Error>) -> Result<(), Error> {
+        if let Err(error) = &result {
+            self.note_loss(error);
+            if error.is_unavailable() {
+                return result;
+            }
+        }
+        self.finished = true;
+        self.stop_keep_alive();
+        result
+    }
+
+    fn note_loss(&self, error: &Error) {
+        if matches!(error, Error::LeaseLost) {
+            self.lost.store(true, Ordering::Relaxed);
+        }
+    }
+
+    fn stop_keep_alive(&mut self) {
+        if let Some(task) = self.keep_alive.take() {
+            task.abort();
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.stop_keep_alive();
+        if self.finished {
+            return;
+        }
+        // Cannot await in drop: hand the release to the runtime, if there is one.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let client = self.client.clone();
+        let id = self.id.clone();
+        let token = self.fencing_token;
+        tracing::debug!(key = %id.key, token, "releasing an abandoned lease");
+        runtime.spawn(async move {
+            if let Err(error) = client.fail(&id, token, None).await {
+                tracing::warn!(key = %id.key, %error, "could not release an abandoned lease");
+            }
+        });
+    }
+}
