@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every check CI runs: formatting, lints, and all tests against a real Postgres
-# (DATABASE_URL, provided by scripts/with-postgres.sh).
+# Every check CI runs: proto lint, formatting, lints, and all tests against a
+# real Postgres (DATABASE_URL, provided by scripts/with-postgres.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -8,6 +8,8 @@ scripts/lint-proto.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 if cargo nextest --version >/dev/null 2>&1; then
+  # nextest does not run doctests: the crate docs' quickstart must compile too.
+  cargo test --doc --workspace --all-features --locked
   cargo nextest run --workspace --all-features --locked --no-fail-fast
 else
   echo "cargo-nextest not found; using cargo test (install it: cargo install cargo-nextest --locked)" >&2

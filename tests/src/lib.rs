@@ -3,6 +3,7 @@
 //! the server off from Postgres.
 
 mod database;
+pub mod http_app;
 mod proxy;
 mod server;
 

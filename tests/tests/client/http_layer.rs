@@ -1,0 +1,309 @@
+//! The HTTP layer end to end: real server, real Postgres, an axum app and an
+//! HTTP client over 127.0.0.1. The production races of the Idempotency-Key contract.
+
+use std::time::Duration;
+
+use idempotency_client::{OnUnavailable, http::HttpConfig};
+use idempotency_tests::{
+    TestDb, TestServer,
+    http_app::{HttpClient, PaymentsApp},
+    unique_key,
+};
+
+use crate::support::*;
+
+const BANK_DELAY: Duration = Duration::from_millis(800);
+
+async fn app(server: &TestServer, config: HttpConfig) -> (PaymentsApp, HttpClient) {
+    let app = PaymentsApp::start(client_of(server), config, BANK_DELAY).await;
+    let http = HttpClient::new(app.addr);
+    (app, http)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_timed_out_and_retries_gets_409_then_the_replayed_201_and_is_charged_once() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let (app, http) = app(&server, HttpConfig::new("shop")).await;
+    let key = unique_key("timeout");
+    let body = r#"{"amount":1000}"#;
+
+    // The client gives up before the bank answers (a 504 at its gateway) ...
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(200),
+        http.post("/payments", Some(&key), "alice", body),
+    )
+    .await;
+    assert!(gave_up.is_err());
+    // ... and retries at once, while the handler is still running.
+    let retry = http.post("/payments", Some(&key), "alice", body).await;
+    assert_eq!(retry.status, 409, "{retry:?}");
+    assert_eq!(retry.header("retry-after"), Some("1"));
+    assert_eq!(
+        retry.header("content-type"),
+        Some("application/problem+json")
+    );
+
+    tokio::time::sleep(BANK_DELAY + Duration::from_millis(300)).await;
+    let later = http.post("/payments", Some(&key), "alice", body).await;
+
+    assert_eq!(later.status, 201, "{later:?}");
+    assert_eq!(later.header("idempotent-replayed"), Some("true"));
+    assert_eq!(
+        later.body,
+        r#"{"route":"/payments","user":"alice","call":1}"#
+    );
+    assert_eq!(later.header("location"), Some("/payments/alice-1"));
+    assert_eq!(later.header("content-type"), Some("application/json"));
+    assert_eq!(
+        later.header("x-not-replayed"),
+        None,
+        "only allow-listed headers are stored"
+    );
+    assert_eq!(app.ledger.calls("/payments", "alice"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_double_click_charges_once() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let (app, http) = app(&server, HttpConfig::new("shop")).await;
+    let key = unique_key("double");
+
+    let clicks: Vec<_> = (0..10)
+        .map(|_| {
+            let http = http.clone();
+            let key = key.clone();
+            tokio::spawn(async move {
+                http.post("/payments", Some(&key), "bob", r#"{"amount":5}"#)
+                    .await
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for click in clicks {
+        statuses.push(click.await.unwrap().status);
+    }
+
+    statuses.sort();
+    assert_eq!(statuses, [201, 409, 409, 409, 409, 409, 409, 409, 409, 409]);
+    assert_eq!(app.ledger.calls("/payments", "bob"), 1);
+}
+
+#[tokio::test]
+async fn the_same_key_with_another_body_is_422_but_the_same_body_rewritten_replays() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let (app, http) = app(&server, HttpConfig::new("shop")).await;
+    let key = unique_key("body");
+    let first = http
+        .post(
+            "/payments",
+            Some(&key),
+            "carol",
+            r#"{"amount":1000,"currency":"EUR","meta":{"trace_id":"t1"}}"#,
+        )
+        .await;
+    assert_eq!(first.status, 201);
+
+    let other = http
+        .post(
+            "/payments",
+            Some(&key),
+            "carol",
+            r#"{"amount":9999,"currency":"EUR"}"#,
+        )
+        .await;
+    let rewritten = http
+        .post(
+            "/payments",
+            Some(&key),
+            "carol",
+            "{ \"meta\": {\"trace_id\": \"t2\"},\n \"currency\": \"EUR\", \"amount\": 1000 }",
+        )
+        .await;
+
+    assert_eq!(other.status, 422, "{other:?}");
+    assert_eq!(
+        other.header("content-type"),
+        Some("application/problem+json")
+    );
+    assert_eq!(rewritten.status, 201, "{rewritten:?}");
+    assert_eq!(rewritten.header("idempotent-replayed"), Some("true"));
+    assert_eq!(rewritten.body, first.body);
+    assert_eq!(app.ledger.calls("/payments", "carol"), 1);
+}
+
+#[tokio::test]
+async fn users_and_routes_never_share_a_key() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let (app, http) = app(&server, HttpConfig::new("shop")).await;
+    let key = unique_key("shared");
+    let body = r#"{"amount":1}"#;
+
+    let dave = http.post("/payments", Some(&key), "dave", body).await;
+    let erin = http.post("/payments", Some(&key), "erin", body).await;
+    let refund = http.post("/refunds", Some(&key), "dave", body).await;
+
+    assert_eq!((dave.status, erin.status, refund.status), (201, 201, 201));
+    assert_eq!(erin.header("idempotent-replayed"), None);
+    assert!(erin.body.contains(r#""user":"erin""#), "{erin:?}");
+    assert!(refund.body.contains(r#""route":"/refunds""#), "{refund:?}");
+    assert_eq!(app.ledger.calls("/payments", "dave"), 1);
+    assert_eq!(app.ledger.calls("/payments", "erin"), 1);
+    assert_eq!(app.ledger.calls("/refunds", "dave"), 1);
+}
+
+#[tokio::test]
+async fn a_5xx_releases_the_key_for_a_retry_and_a_402_is_stored_and_replayed() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let (app, http) = app(&server, HttpConfig::new("shop")).await;
+    let flaky = unique_key("bank-down");
+    let declined = unique_key("declined");
+
+    let first = http
+        .post(
+            "/payments",
+            Some(&flaky),
+            "frank",
+            r#"{"outcome":"bank_down"}"#,
+        )
+        .await;
+    let retry = http
+        .post(
+            "/payments",
+            Some(&flaky),
+            "frank",
+            r#"{"outcome":"bank_down"}"#,
+        )
+        .await;
+    assert_eq!((first.status, retry.status), (502, 502));
+    assert_eq!(
+        retry.header("idempotent-replayed"),
+        None,
+        "the handler ran again"
+    );
+    assert_eq!(app.ledger.calls("/payments", "frank"), 2);
+
+    let first = http
+        .post(
+            "/payments",
+            Some(&declined),
+            "grace",
+            r#"{"outcome":"declined"}"#,
+        )
+        .await;
+    let retry = http
+        .post(
+            "/payments",
+            Some(&declined),
+            "grace",
+            r#"{"outcome":"declined"}"#,
+        )
+        .await;
+    assert_eq!((first.status, retry.status), (402, 402));
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(app.ledger.calls("/payments", "grace"), 1);
+}
+
+#[tokio::test]
+async fn an_unreachable_service_is_503_when_failing_closed_and_runs_the_handler_when_failing_open()
+{
+    let closed = PaymentsApp::start(
+        client_of_nothing().await,
+        HttpConfig::new("shop"),
+        Duration::ZERO,
+    )
+    .await;
+    let open = PaymentsApp::start(
+        client_of_nothing().await,
+        HttpConfig::new("likes").on_unavailable(OnUnavailable::FailOpen),
+        Duration::ZERO,
+    )
+    .await;
+    let key = unique_key("down");
+
+    let refused = HttpClient::new(closed.addr)
+        .post("/payments", Some(&key), "heidi", "{}")
+        .await;
+    let ran = HttpClient::new(open.addr)
+        .post("/payments", Some(&key), "heidi", "{}")
+        .await;
+
+    assert_eq!(refused.status, 503, "{refused:?}");
+    assert!(refused.header("retry-after").is_some());
+    assert_eq!(closed.ledger.calls("/payments", "heidi"), 0);
+    assert_eq!(ran.status, 201, "{ran:?}");
+    assert_eq!(open.ledger.calls("/payments", "heidi"), 1);
+}
+
+#[tokio::test]
+async fn missing_malformed_and_oversized_requests_are_refused_before_the_handler() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let (required, http) = app(
+        &server,
+        HttpConfig::new("shop").require_key(true).max_body_bytes(64),
+    )
+    .await;
+    let (optional, lenient) = app(&server, HttpConfig::new("shop")).await;
+
+    let missing = http.post("/payments", None, "ivan", "{}").await;
+    let malformed = http.post("/payments", Some("short"), "ivan", "{}").await;
+    let oversized = http
+        .post(
+            "/payments",
+            Some(&unique_key("big")),
+            "ivan",
+            &"x".repeat(65),
+        )
+        .await;
+    let unprotected = lenient.post("/payments", None, "ivan", "{}").await;
+
+    assert_eq!(missing.status, 400, "{missing:?}");
+    assert!(
+        missing.body.contains("missing-idempotency-key"),
+        "{missing:?}"
+    );
+    assert_eq!(malformed.status, 400, "{malformed:?}");
+    assert!(
+        malformed.body.contains("malformed-idempotency-key"),
+        "{malformed:?}"
+    );
+    assert_eq!(oversized.status, 413, "{oversized:?}");
+    assert_eq!(required.ledger.calls("/payments", "ivan"), 0);
+    assert_eq!(
+        unprotected.status, 201,
+        "without a required key the request passes through"
+    );
+    assert_eq!(optional.ledger.calls("/payments", "ivan"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_slower_than_its_lease_keeps_the_key_by_renewing() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let config =
+        HttpConfig::new("shop").lease(Duration::from_secs(1), Some(Duration::from_millis(300)));
+    let app = PaymentsApp::start(client_of(&server), config, Duration::from_millis(2500)).await;
+    let http = HttpClient::new(app.addr);
+    let key = unique_key("slow");
+
+    let first = tokio::spawn({
+        let http = http.clone();
+        let key = key.clone();
+        async move { http.post("/payments", Some(&key), "judy", "{}").await }
+    });
+    tokio::time::sleep(Duration::from_millis(1800)).await;
+    let during = http.post("/payments", Some(&key), "judy", "{}").await;
+
+    assert_eq!(
+        during.status, 409,
+        "the lease was renewed past its first second: {during:?}"
+    );
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(app.ledger.calls("/payments", "judy"), 1);
+}

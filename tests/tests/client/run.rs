@@ -1,0 +1,312 @@
+//! `Client::run`: the whole protocol in one call.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU32, Ordering},
+    },
+    time::Duration,
+};
+
+use idempotency_client::{
+    Acquisition, Failure, OnUnavailable, Ran, RecordState, RunError, RunOptions, StoredResponse,
+};
+use idempotency_tests::{TestDb, TestServer};
+
+use crate::support::*;
+
+type Options = RunOptions<String>;
+
+/// A business error is terminal when it says "declined", else retryable.
+fn declined_is_final() -> Options {
+    RunOptions::new(|error: &String| {
+        if error.contains("declined") {
+            Failure::Terminal(StoredResponse::new(402, error.clone()))
+        } else {
+            Failure::Retryable
+        }
+    })
+}
+
+#[tokio::test]
+async fn the_logic_runs_once_and_duplicates_replay_its_response() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let client = client_of(&server);
+    let request = request("once");
+    let runs = AtomicU32::new(0);
+    let work = || async {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Ok::<_, String>(StoredResponse::new(201, "pay_1"))
+    };
+
+    let first = client
+        .run(&request, &Options::default(), |_| work())
+        .await
+        .unwrap();
+    let second = client
+        .run(&request, &Options::default(), |_| work())
+        .await
+        .unwrap();
+
+    assert_eq!(first, Ran::Executed(StoredResponse::new(201, "pay_1")));
+    assert_eq!(second, Ran::Replayed(StoredResponse::new(201, "pay_1")));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn business_errors_are_stored_or_released_as_classified() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let client = client_of(&server);
+    let declined = request("declined");
+    let flaky = request("flaky");
+
+    let result = client
+        .run(&declined, &declined_is_final(), |_| async {
+            Err::<StoredResponse, _>("card declined".to_string())
+        })
+        .await;
+    assert!(
+        matches!(result, Err(RunError::Business(ref e)) if e == "card declined"),
+        "{result:?}"
+    );
+    let retry = client
+        .run(&declined, &declined_is_final(), |_| async {
+            panic!("must not run again")
+        })
+        .await;
+    assert!(
+        matches!(retry, Err(RunError::PreviouslyFailed(ref r)) if r.status_code == 402),
+        "{retry:?}"
+    );
+
+    let result = client
+        .run(&flaky, &declined_is_final(), |_| async {
+            Err::<StoredResponse, _>("timeout".to_string())
+        })
+        .await;
+    assert!(matches!(result, Err(RunError::Business(_))));
+    let retry = client
+        .run(&flaky, &declined_is_final(), |attempt| async move {
+            assert_eq!(
+                attempt.fencing_token,
+                Some(2),
+                "the released key is taken over"
+            );
+            Ok::<_, String>(StoredResponse::new(201, "second time lucky"))
+        })
+        .await;
+    assert!(matches!(retry, Ok(Ran::Executed(_))), "{retry:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_the_logic_releases_the_key() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let client = client_of(&server);
+    let request = request("panic");
+
+    let panicked = tokio::spawn({
+        let client = client.clone();
+        let request = request.clone();
+        async move {
+            client
+                .run(&request, &Options::default(), |_| async {
+                    panic!("bug in the handler")
+                })
+                .await
+        }
+    })
+    .await;
+
+    assert!(panicked.unwrap_err().is_panic());
+    wait_for_state(&client, &request.id, RecordState::Released).await;
+    let Acquisition::Proceed(lease) = client.acquire(&request).await.unwrap() else {
+        panic!()
+    };
+    assert_eq!(lease.fencing_token(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_call_releases_the_key() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let client = client_of(&server);
+    let request = request("cancelled");
+
+    let cancelled = tokio::time::timeout(
+        Duration::from_millis(300),
+        client.run(&request, &Options::default(), |_| async {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            Ok(StoredResponse::new(201, "never"))
+        }),
+    )
+    .await;
+
+    assert!(cancelled.is_err(), "the call was dropped mid-flight");
+    wait_for_state(&client, &request.id, RecordState::Released).await;
+    let Acquisition::Proceed(lease) = client.acquire(&request).await.unwrap() else {
+        panic!()
+    };
+    assert_eq!(lease.fencing_token(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_during_the_logic_surfaces_as_lease_lost() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let client = client_of(&server);
+    let request = request("takeover").with_lease(Duration::from_secs(1));
+
+    let slow = tokio::spawn({
+        let client = client.clone();
+        let request = request.clone();
+        async move {
+            client
+                .run(&request, &Options::default(), |_| async {
+                    tokio::time::sleep(Duration::from_millis(1800)).await;
+                    Ok::<_, String>(StoredResponse::new(201, "slow"))
+                })
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let Acquisition::Proceed(mut usurper) = client.acquire(&request).await.unwrap() else {
+        panic!()
+    };
+    usurper
+        .complete(&StoredResponse::new(201, "fast"))
+        .await
+        .unwrap();
+
+    let result = slow.await.unwrap();
+
+    assert!(
+        matches!(result, Err(RunError::LeaseLost { ref response }) if response.body == b"slow"),
+        "{result:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_progress_returns_at_once_or_waits_for_the_outcome_when_asked() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let client = client_of(&server);
+    let request = request("waiting");
+    let first = tokio::spawn({
+        let client = client.clone();
+        let request = request.clone();
+        async move {
+            client
+                .run(&request, &Options::default(), |_| async {
+                    tokio::time::sleep(Duration::from_millis(700)).await;
+                    Ok::<_, String>(StoredResponse::new(201, "first"))
+                })
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let ran_again = Arc::new(AtomicU32::new(0));
+
+    let at_once = client
+        .run(&request, &Options::default(), |_| async {
+            Ok(StoredResponse::default())
+        })
+        .await;
+    let waited = client
+        .run(
+            &request,
+            &Options::default().wait_in_progress(Duration::from_secs(10)),
+            |_| {
+                let ran_again = ran_again.clone();
+                async move {
+                    ran_again.fetch_add(1, Ordering::SeqCst);
+                    Ok(StoredResponse::default())
+                }
+            },
+        )
+        .await;
+
+    assert!(
+        matches!(at_once, Err(RunError::InProgress { retry_after }) if retry_after <= Duration::from_secs(1)),
+        "{at_once:?}"
+    );
+    assert_eq!(
+        waited.unwrap(),
+        Ran::Replayed(StoredResponse::new(201, "first"))
+    );
+    assert_eq!(ran_again.load(Ordering::SeqCst), 0);
+    assert!(matches!(first.await.unwrap(), Ok(Ran::Executed(_))));
+}
+
+#[tokio::test]
+async fn an_unreachable_service_fails_closed_by_default_and_open_when_chosen() {
+    let client = client_of_nothing().await;
+    let request = request("down");
+    let runs = AtomicU32::new(0);
+
+    let closed = client
+        .run(&request, &Options::default(), |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok(StoredResponse::new(200, "liked"))
+        })
+        .await;
+    let open = client
+        .run(
+            &request,
+            &Options::default().on_unavailable(OnUnavailable::FailOpen),
+            |attempt| {
+                assert_eq!(attempt.fencing_token, None);
+                let runs = &runs;
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    Ok(StoredResponse::new(200, "liked"))
+                }
+            },
+        )
+        .await;
+
+    assert!(
+        matches!(closed, Err(RunError::Service(ref e)) if e.is_unavailable()),
+        "{closed:?}"
+    );
+    assert_eq!(
+        open.unwrap(),
+        Ran::Unprotected(StoredResponse::new(200, "liked"))
+    );
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "only the fail-open call ran"
+    );
+}
+
+#[tokio::test]
+async fn a_fingerprint_mismatch_is_its_own_error() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let client = client_of(&server);
+    let request = request("mismatch");
+    client
+        .run(&request, &Options::default(), |_| async {
+            Ok(StoredResponse::new(201, "a"))
+        })
+        .await
+        .unwrap();
+    let other = idempotency_client::AcquireRequest {
+        fingerprint: b"another body".to_vec(),
+        ..request
+    };
+
+    let result = client
+        .run(&other, &Options::default(), |_| async {
+            Ok(StoredResponse::new(201, "b"))
+        })
+        .await;
+
+    assert!(
+        matches!(result, Err(RunError::FingerprintMismatch)),
+        "{result:?}"
+    );
+}

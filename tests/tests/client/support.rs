@@ -1,0 +1,53 @@
+use std::time::Duration;
+
+use idempotency_client::{
+    AcquireRequest, Client, ClientOptions, RecordId, RecordState, RetryPolicy,
+};
+use idempotency_tests::{TestServer, unique_key};
+
+/// A client of `server` with default options.
+pub fn client_of(server: &TestServer) -> Client {
+    Client::builder()
+        .endpoint(format!("http://{}", server.addr))
+        .connect_lazy()
+        .unwrap()
+}
+
+/// A client of an address where nothing listens, retrying briefly.
+pub async fn client_of_nothing() -> Client {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener);
+    Client::builder()
+        .endpoint(format!("http://{addr}"))
+        .connect_timeout(Duration::from_millis(200))
+        .connect_lazy()
+        .unwrap()
+        .with_options(ClientOptions {
+            timeout: Duration::from_millis(500),
+            retry: RetryPolicy {
+                max_attempts: 2,
+                initial_backoff: Duration::from_millis(10),
+                max_backoff: Duration::from_millis(20),
+                max_elapsed: Duration::from_secs(1),
+            },
+        })
+}
+
+pub fn request(label: &str) -> AcquireRequest {
+    AcquireRequest::new(
+        RecordId::new("payments", "POST /payments", unique_key(label)).with_subject("user-1"),
+        b"fingerprint".to_vec(),
+    )
+}
+
+/// Waits until the record reaches `state` (releases on drop are asynchronous).
+pub async fn wait_for_state(client: &Client, id: &RecordId, state: RecordState) {
+    for _ in 0..100 {
+        if client.get(id).await.unwrap().map(|record| record.state) == Some(state) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the record never became {state:?}");
+}

@@ -1,0 +1,197 @@
+//! The typed client: outcomes as domain types, leases, retries, errors.
+
+use std::time::Duration;
+
+use idempotency_client::{
+    Acquisition, ClientOptions, Error, RecordState, RetryPolicy, StoredResponse,
+};
+use idempotency_tests::{TcpProxy, TestDb, TestServer, server_pool, test_config};
+
+use crate::support::*;
+
+#[tokio::test]
+async fn outcomes_arrive_as_domain_types() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let client = client_of(&server);
+    let request = request("typed");
+
+    let Acquisition::Proceed(mut lease) = client.acquire(&request).await.unwrap() else {
+        panic!()
+    };
+    assert_eq!(lease.fencing_token(), 1);
+    assert!(lease.lease_expires_at() < lease.expires_at());
+    assert!(matches!(
+        client.acquire(&request).await.unwrap(),
+        Acquisition::InProgress { .. }
+    ));
+    let other_body = idempotency_client::AcquireRequest {
+        fingerprint: b"other".to_vec(),
+        ..request.clone()
+    };
+    assert!(matches!(
+        client.acquire(&other_body).await.unwrap(),
+        Acquisition::FingerprintMismatch
+    ));
+
+    let response = StoredResponse::new(201, "created").with_header("location", "/payments/1");
+    lease.complete(&response).await.unwrap();
+
+    let Acquisition::Replay(replayed) = client.acquire(&request).await.unwrap() else {
+        panic!()
+    };
+    assert_eq!(replayed, response);
+    let record = client.get(&request.id).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::Completed);
+    assert_eq!(record.response, Some(response));
+    assert_eq!(
+        client
+            .get(&super::support::request("absent").id)
+            .await
+            .unwrap(),
+        None
+    );
+}
+
+#[tokio::test]
+async fn errors_are_typed_by_code_and_reason() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let client = client_of(&server);
+    let mut bad = request("bad");
+    bad.id.key = "short".into();
+
+    let Err(Error::InvalidArgument { field, .. }) = client.acquire(&bad).await else {
+        panic!()
+    };
+    assert_eq!(field.as_deref(), Some("id.key"));
+
+    let request = request("lost").with_lease(Duration::from_secs(1));
+    let Acquisition::Proceed(mut first) = client.acquire(&request).await.unwrap() else {
+        panic!()
+    };
+    tokio::time::sleep(Duration::from_millis(1150)).await;
+    let Acquisition::Proceed(mut second) = client.acquire(&request).await.unwrap() else {
+        panic!()
+    };
+    assert!(matches!(
+        first.complete(&StoredResponse::new(201, "")).await,
+        Err(Error::LeaseLost)
+    ));
+    assert!(first.is_lost());
+    second
+        .complete(&StoredResponse::new(201, "mine"))
+        .await
+        .unwrap();
+    assert!(matches!(
+        second.renew(Duration::from_secs(5)).await,
+        Err(Error::NotInProgress)
+    ));
+}
+
+#[tokio::test]
+async fn keep_alive_renews_a_slow_holder_until_it_completes() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let client = client_of(&server);
+    let request = request("keepalive").with_lease(Duration::from_secs(1));
+    let Acquisition::Proceed(mut lease) = client.acquire(&request).await.unwrap() else {
+        panic!()
+    };
+
+    lease.keep_alive(Duration::from_millis(300), Duration::from_secs(1));
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // 2.5 s in, a 1 s lease would long have been taken over.
+        assert!(matches!(
+            client.acquire(&request).await.unwrap(),
+            Acquisition::InProgress { .. }
+        ));
+    }
+
+    lease
+        .complete(&StoredResponse::new(200, "slow"))
+        .await
+        .unwrap();
+    assert!(!lease.is_lost());
+}
+
+#[tokio::test]
+async fn dropping_an_unfinished_lease_releases_the_key() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let client = client_of(&server);
+    let request = request("dropped");
+    let Acquisition::Proceed(lease) = client.acquire(&request).await.unwrap() else {
+        panic!()
+    };
+
+    drop(lease);
+
+    wait_for_state(&client, &request.id, RecordState::Released).await;
+    let Acquisition::Proceed(next) = client.acquire(&request).await.unwrap() else {
+        panic!()
+    };
+    assert_eq!(next.fencing_token(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transient_outages_are_retried_within_the_policy() {
+    let db = TestDb::new().await;
+    let options = db.connect_options();
+    let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = TcpProxy::start(upstream).await;
+    let pool = server_pool(options.host("127.0.0.1").port(proxy.addr.port()));
+    let server = TestServer::start_with(test_config(), pool).await;
+    let patient = client_of(&server).with_options(ClientOptions {
+        timeout: Duration::from_secs(2),
+        retry: RetryPolicy {
+            max_attempts: 50,
+            initial_backoff: Duration::from_millis(20),
+            max_backoff: Duration::from_millis(100),
+            max_elapsed: Duration::from_secs(10),
+        },
+    });
+    let impatient = patient.clone().with_options(ClientOptions {
+        retry: RetryPolicy::none(),
+        ..ClientOptions::default()
+    });
+    let request = request("outage");
+    proxy.cut().await;
+
+    let Err(error) = impatient.acquire(&request).await else {
+        panic!("the database is down")
+    };
+    assert!(
+        matches!(error, Error::Unavailable { attempts: 1, .. }),
+        "{error:?}"
+    );
+    let waiting = tokio::spawn({
+        let request = request.clone();
+        async move { patient.acquire(&request).await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    proxy.restore().await;
+
+    let outcome = waiting
+        .await
+        .unwrap()
+        .expect("retried until the database was back");
+    assert!(matches!(outcome, Acquisition::Proceed(_)));
+}
+
+#[tokio::test]
+async fn an_unreachable_service_is_unavailable_after_bounded_retries() {
+    let client = client_of_nothing().await;
+
+    let result = client.acquire(&request("nowhere")).await;
+
+    assert!(
+        matches!(result, Err(Error::Unavailable { attempts: 2, .. })),
+        "{result:?}"
+    );
+}
