@@ -1,0 +1,105 @@
+//! Connection options: TLS and several endpoints.
+
+use std::time::Duration;
+
+use idempotency_client::{Acquisition, Client, ClientOptions, Error, RetryPolicy};
+use idempotency_server::{
+    domain::Limits,
+    engine::Engine,
+    grpc::{GrpcService, service::IdempotencyServiceServer},
+    store::Store,
+};
+use idempotency_tests::{TestDb, TestServer, server_pool};
+use tonic::transport::{
+    Certificate, ClientTlsConfig, Identity, Server, ServerTlsConfig, server::TcpIncoming,
+};
+
+use crate::support::*;
+
+#[tokio::test]
+async fn the_client_speaks_tls_to_a_server_whose_certificate_it_trusts() {
+    let db = TestDb::new().await;
+    let certified = rcgen::generate_simple_self_signed(vec!["idempotency.test".into()]).unwrap();
+    let (cert_pem, key_pem) = (certified.cert.pem(), certified.signing_key.serialize_pem());
+    let engine = Engine::new(
+        Store::new(server_pool(db.connect_options())),
+        Limits::default(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(
+        Server::builder()
+            .tls_config(ServerTlsConfig::new().identity(Identity::from_pem(&cert_pem, &key_pem)))
+            .unwrap()
+            .add_service(IdempotencyServiceServer::new(GrpcService::new(engine)))
+            .serve_with_incoming(TcpIncoming::from(listener)),
+    );
+    let trusting = Client::builder()
+        .endpoint(format!("https://{addr}"))
+        .tls(
+            ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(&cert_pem))
+                .domain_name("idempotency.test"),
+        )
+        .connect()
+        .await
+        .expect("TLS handshake with a trusted certificate");
+    let distrusting = Client::builder()
+        .endpoint(format!("https://{addr}"))
+        .tls(
+            ClientTlsConfig::new()
+                .with_webpki_roots()
+                .domain_name("idempotency.test"),
+        )
+        .retry(RetryPolicy::none())
+        .connect_lazy()
+        .unwrap();
+
+    let outcome = trusting.acquire(&request("tls")).await.unwrap();
+    let refused = distrusting.acquire(&request("tls")).await;
+
+    assert!(matches!(outcome, Acquisition::Proceed(_)));
+    assert!(
+        matches!(refused, Err(Error::Unavailable { .. })),
+        "{refused:?}"
+    );
+    server.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_endpoints_are_balanced_and_one_going_away_is_survived() {
+    let db = TestDb::new().await;
+    let first = TestServer::start(&db).await;
+    let second = TestServer::start(&db).await;
+    let client = Client::builder()
+        .endpoints([
+            format!("http://{}", first.addr),
+            format!("http://{}", second.addr),
+        ])
+        .connect_lazy()
+        .unwrap()
+        .with_options(ClientOptions {
+            timeout: Duration::from_secs(2),
+            retry: RetryPolicy {
+                max_attempts: 10,
+                ..RetryPolicy::default()
+            },
+        });
+    for n in 0..10 {
+        let outcome = client
+            .acquire(&request(&format!("balanced{n}")))
+            .await
+            .unwrap();
+        assert!(matches!(outcome, Acquisition::Proceed(_)));
+    }
+
+    first.stop().await;
+
+    for n in 0..10 {
+        let outcome = client.acquire(&request(&format!("survivor{n}"))).await;
+        assert!(
+            matches!(outcome, Ok(Acquisition::Proceed(_))),
+            "{outcome:?}"
+        );
+    }
+}
