@@ -70,7 +70,10 @@ impl RetryPolicy {
 /// Settings of a [`Client`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientOptions {
-    /// Deadline of each call attempt (sent as `grpc-timeout` too).
+    /// Deadline of each call attempt, also sent as `grpc-timeout`. Keep it
+    /// above the server's worst case (its pool wait plus statement timeout,
+    /// 7 s by default): an Acquire that timed out here may still commit there,
+    /// and its retry would then find its own attempt in progress.
     pub timeout: Duration,
     /// Retries of transient errors.
     pub retry: RetryPolicy,
@@ -79,7 +82,7 @@ pub struct ClientOptions {
 impl Default for ClientOptions {
     fn default() -> Self {
         Self {
-            timeout: Duration::from_secs(2),
+            timeout: Duration::from_secs(10),
             retry: RetryPolicy::default(),
         }
     }
@@ -138,8 +141,8 @@ impl Client {
     pub async fn acquire(&self, request: &AcquireRequest) -> Result<Acquisition, Error> {
         let message = request.to_pb();
         let response = self
-            .call(|mut stub| {
-                let message = message.clone();
+            .call(|mut stub, timeout| {
+                let message = with_timeout(message.clone(), timeout);
                 async move { stub.acquire(message).await }
             })
             .await?;
@@ -173,8 +176,8 @@ impl Client {
             id: Some(id.to_pb()),
         };
         let record = match self
-            .call(|mut stub| {
-                let message = message.clone();
+            .call(|mut stub, timeout| {
+                let message = with_timeout(message.clone(), timeout);
                 async move { stub.get(message).await }
             })
             .await
@@ -208,8 +211,8 @@ impl Client {
             fencing_token,
             response: Some(response.to_pb()),
         };
-        self.call(|mut stub| {
-            let message = message.clone();
+        self.call(|mut stub, timeout| {
+            let message = with_timeout(message.clone(), timeout);
             async move { stub.complete(message).await }
         })
         .await
@@ -228,8 +231,8 @@ impl Client {
             retryable: error_response.is_none(),
             error_response: error_response.map(StoredResponse::to_pb),
         };
-        self.call(|mut stub| {
-            let message = message.clone();
+        self.call(|mut stub, timeout| {
+            let message = with_timeout(message.clone(), timeout);
             async move { stub.fail(message).await }
         })
         .await
@@ -247,8 +250,8 @@ impl Client {
             fencing_token,
             lease: Some(duration_to_pb(lease)),
         };
-        self.call(|mut stub| {
-            let message = message.clone();
+        self.call(|mut stub, timeout| {
+            let message = with_timeout(message.clone(), timeout);
             async move { stub.renew(message).await }
         })
         .await
@@ -257,7 +260,7 @@ impl Client {
     /// Makes one call with the per-attempt deadline, retrying transient errors.
     async fn call<T, F, Fut>(&self, mut attempt: F) -> Result<T, Error>
     where
-        F: FnMut(IdempotencyServiceClient<Channel>) -> Fut,
+        F: FnMut(IdempotencyServiceClient<Channel>, Duration) -> Fut,
         Fut: Future<Output = Result<Response<T>, Status>>,
     {
         let options = &self.inner.options;
@@ -266,13 +269,16 @@ impl Client {
         let mut attempts = 0;
         loop {
             attempts += 1;
-            let status =
-                match tokio::time::timeout(options.timeout, attempt(self.inner.stub.clone())).await
-                {
-                    Ok(Ok(response)) => return Ok(response.into_inner()),
-                    Ok(Err(status)) => status,
-                    Err(_) => Status::deadline_exceeded("the call exceeded the client's timeout"),
-                };
+            let status = match tokio::time::timeout(
+                options.timeout,
+                attempt(self.inner.stub.clone(), options.timeout),
+            )
+            .await
+            {
+                Ok(Ok(response)) => return Ok(response.into_inner()),
+                Ok(Err(status)) => status,
+                Err(_) => Status::deadline_exceeded("the call exceeded the client's timeout"),
+            };
             let pause = policy.backoff(attempts - 1);
             let may_retry = is_transient(status.code())
                 && attempts < policy.max_attempts
@@ -284,6 +290,13 @@ impl Client {
             tokio::time::sleep(pause).await;
         }
     }
+}
+
+/// A request carrying its deadline, so the server gives up when the caller does.
+fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.set_timeout(timeout);
+    request
 }
 
 /// Builds a [`Client`]: one or several endpoints (balanced), timeouts, TLS, retries.
@@ -330,7 +343,7 @@ impl ClientBuilder {
         self
     }
 
-    /// Deadline of each call attempt (default 2 s).
+    /// Deadline of each call attempt (default 10 s; see [`ClientOptions::timeout`]).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.options.timeout = timeout;
         self

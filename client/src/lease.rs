@@ -12,6 +12,9 @@ use tokio::task::JoinHandle;
 
 use crate::{Client, Error, RecordId, StoredResponse, types::time_from_pb};
 
+/// Longest a lease is kept alive by [`Lease::keep_alive`].
+pub const MAX_KEEP_ALIVE: Duration = Duration::from_secs(60 * 60);
+
 /// What Acquire answered.
 #[derive(Debug)]
 #[must_use = "an Acquisition says whether to run the business logic"]
@@ -104,38 +107,51 @@ impl Lease {
 
     /// Extends the lease to `lease` from now.
     pub async fn renew(&mut self, lease: Duration) -> Result<(), Error> {
-        let renewed = self
-            .client
-            .renew(&self.id, self.fencing_token, lease)
-            .await
-            .inspect_err(|error| self.note_loss(error))?;
+        let renewed =
+            self.note_loss(self.client.renew(&self.id, self.fencing_token, lease).await)?;
         self.lease_expires_at = time_from_pb(renewed.lease_expires_at);
         self.expires_at = time_from_pb(renewed.expires_at);
         Ok(())
     }
 
     /// Renews the lease to `lease` every `every` in the background until the
-    /// lease is completed, failed or dropped. Pick `every` well below `lease`
-    /// (a third, say) so one missed renewal does not lose it.
+    /// lease is completed, failed or dropped, for at most [`MAX_KEEP_ALIVE`]
+    /// (so a hung operation cannot hold its key forever). `every` is clamped
+    /// below `lease` (to a third of it) so one missed renewal does not lose it.
+    /// Renewal stops, and [`Lease::is_lost`] turns true, when the service
+    /// answers that the lease is gone or refuses the renewal outright.
     pub fn keep_alive(&mut self, every: Duration, lease: Duration) {
         self.stop_keep_alive();
+        let every = if every.is_zero() || every >= lease {
+            (lease / 3).max(Duration::from_millis(10))
+        } else {
+            every
+        };
         let client = self.client.clone();
         let id = self.id.clone();
         let token = self.fencing_token;
         let lost = self.lost.clone();
         self.keep_alive = Some(tokio::spawn(async move {
-            let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            let started = tokio::time::Instant::now();
+            let mut ticker = tokio::time::interval_at(started + every, every);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 ticker.tick().await;
+                if started.elapsed() > MAX_KEEP_ALIVE {
+                    tracing::warn!(key = %id.key, "stopped renewing a lease held longer than {MAX_KEEP_ALIVE:?}");
+                    return;
+                }
                 match client.renew(&id, token, lease).await {
                     Ok(_) => {}
-                    Err(Error::LeaseLost | Error::NotFound | Error::NotInProgress) => {
-                        tracing::warn!(key = %id.key, "lease lost while renewing");
+                    // Transient: the next tick tries again while the lease lasts.
+                    Err(error) if error.is_unavailable() => {
+                        tracing::debug!(%error, "renewal failed; retrying");
+                    }
+                    Err(error) => {
+                        tracing::warn!(key = %id.key, %error, "lease lost while renewing");
                         lost.store(true, Ordering::Relaxed);
                         return;
                     }
-                    // Transient: the next tick tries again while the lease lasts.
-                    Err(error) => tracing::debug!(%error, "renewal failed"),
                 }
             }
         }));
@@ -143,47 +159,48 @@ impl Lease {
 
     /// Stores the response; later Acquires replay it. [`Error::LeaseLost`]
     /// means another attempt took over: the business logic may have run twice.
+    ///
+    /// From the first call on, the lease is never released on drop: the work
+    /// is done, and running it again on a retry would be worse than letting
+    /// the lease pass. Call again to retry after an error.
     pub async fn complete(&mut self, response: &StoredResponse) -> Result<(), Error> {
+        self.finishing();
         let result = self
             .client
             .complete(&self.id, self.fencing_token, response)
             .await;
-        self.settle(result)
+        self.note_loss(result)
     }
 
-    /// Fails terminally, storing `error_response`; later Acquires get it as [`Acquisition::Failed`].
+    /// Fails terminally, storing `error_response`; later Acquires get it as
+    /// [`Acquisition::Failed`]. Never released on drop afterwards.
     pub async fn fail(&mut self, error_response: &StoredResponse) -> Result<(), Error> {
+        self.finishing();
         let result = self
             .client
             .fail(&self.id, self.fencing_token, Some(error_response))
             .await;
-        self.settle(result)
+        self.note_loss(result)
     }
 
     /// Releases the key (a retryable failure): the next Acquire takes it over.
     pub async fn release(&mut self) -> Result<(), Error> {
+        self.finishing();
         let result = self.client.fail(&self.id, self.fencing_token, None).await;
-        self.settle(result)
+        self.note_loss(result)
     }
 
-    /// After a finishing call: whatever the server said other than
-    /// "unavailable" is final, so nothing is left to release on drop.
-    fn settle(&mut self, result: Result<(), Error>) -> Result<(), Error> {
-        if let Err(error) = &result {
-            self.note_loss(error);
-            if error.is_unavailable() {
-                return result;
-            }
-        }
+    /// The attempt is ending: stop renewing, and do not release on drop.
+    fn finishing(&mut self) {
         self.finished = true;
         self.stop_keep_alive();
-        result
     }
 
-    fn note_loss(&self, error: &Error) {
-        if matches!(error, Error::LeaseLost) {
+    fn note_loss<T>(&self, result: Result<T, Error>) -> Result<T, Error> {
+        if matches!(result, Err(Error::LeaseLost)) {
             self.lost.store(true, Ordering::Relaxed);
         }
+        result
     }
 
     fn stop_keep_alive(&mut self) {

@@ -184,8 +184,11 @@ impl Client {
     /// its response (or its error, as `options` classify it), and answers a
     /// duplicate with the stored response without running `work`.
     ///
-    /// A panic in `work`, or dropping this future, releases the key (best
-    /// effort) so that a retry can run instead of waiting for the lease.
+    /// A panic in `work`, or dropping this future while `work` runs, releases
+    /// the key (best effort) so that a retry can run instead of waiting for
+    /// the lease. Once `work` returned, the key is never released: its
+    /// effects happened. Dropped while Acquire itself is in flight, the key
+    /// may stay in progress until its lease passes (nothing is known to release).
     pub async fn run<E, F, Fut>(
         &self,
         request: &AcquireRequest,

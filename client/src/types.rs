@@ -118,6 +118,17 @@ impl StoredResponse {
         }
     }
 
+    /// Bytes counted against the service's response limit: body plus every
+    /// header name and value.
+    pub fn size(&self) -> usize {
+        self.body.len()
+            + self
+                .headers
+                .iter()
+                .map(|(name, value)| name.len() + value.len())
+                .sum::<usize>()
+    }
+
     /// The same response with one more header.
     pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
         self.headers.insert(name.into(), value.into());

@@ -73,6 +73,7 @@ async fn charge(route: &'static str, state: AppState, headers: HeaderMap, body: 
             (StatusCode::PAYMENT_REQUIRED, r#"{"error":"card declined"}"#).into_response()
         }
         "bank_down" => (StatusCode::BAD_GATEWAY, "the bank is down").into_response(),
+        "huge" => (StatusCode::CREATED, "x".repeat(4096)).into_response(),
         _ => (
             StatusCode::CREATED,
             [
@@ -118,6 +119,12 @@ impl PaymentsApp {
                 "/payments",
                 post(|State(s): State<AppState>, h: HeaderMap, b: Bytes| {
                     charge("/payments", s, h, b)
+                }),
+            )
+            .route(
+                "/payments/{id}/capture",
+                post(|State(s): State<AppState>, h: HeaderMap, b: Bytes| {
+                    charge("/payments/{id}/capture", s, h, b)
                 }),
             )
             .route(

@@ -92,12 +92,14 @@ impl<B: Body<Data = Bytes>> Body for Prefixed<B> {
     }
 
     fn size_hint(&self) -> SizeHint {
-        let mut hint = self.rest.size_hint();
+        let rest = self.rest.size_hint();
         let prefix = self.prefix.as_ref().map_or(0, |p| p.len() as u64);
-        hint.set_lower(hint.lower() + prefix);
-        if let Some(upper) = hint.upper() {
+        let mut hint = SizeHint::new();
+        // Upper first: SizeHint refuses a lower bound above its upper one.
+        if let Some(upper) = rest.upper() {
             hint.set_upper(upper + prefix);
         }
+        hint.set_lower(rest.lower() + prefix);
         hint
     }
 }

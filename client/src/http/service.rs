@@ -142,6 +142,39 @@ where
     };
     let request = Request::from_parts(parts, ReqBody::from(bytes));
 
+    // From here on the work runs in a task of its own, so that it finishes,
+    // and its response is stored, even when the client goes away mid-request:
+    // the client's retry then gets 409 and later the stored answer, and the
+    // handler runs once. (Dropped mid-Acquire instead, the key would stay in
+    // progress until its lease passed.) A panic in the handler drops the
+    // lease, which releases the key, and is passed on to the caller.
+    let task = tokio::spawn(acquire_and_execute(inner, client, config, acquire, request));
+    match task.await {
+        Ok(result) => result,
+        Err(join_error) if join_error.is_panic() => {
+            std::panic::resume_unwind(join_error.into_panic())
+        }
+        Err(_) => Ok(problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "handler-cancelled",
+            "the handler was cancelled",
+        )),
+    }
+}
+
+/// Acquires the key and answers: the handler's response, a replay, or a problem.
+async fn acquire_and_execute<S, ReqBody, ResBody>(
+    inner: S,
+    client: Client,
+    config: Arc<HttpConfig>,
+    acquire: AcquireRequest,
+    request: Request<ReqBody>,
+) -> Result<Response<ResponseBody>, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError> + Send,
+{
     let lease = match client.acquire(&acquire).await {
         Ok(Acquisition::Proceed(lease)) => lease,
         Ok(Acquisition::InProgress { retry_after, .. }) => {
@@ -168,7 +201,11 @@ where
                 return pass_through(inner, request).await;
             }
         },
-        Err(Error::InvalidArgument { message, .. }) => {
+        // The scope comes from the request (e.g. a subject too long): the client's fault.
+        Err(Error::InvalidArgument {
+            field: Some(field),
+            message,
+        }) if field.starts_with("id.") => {
             return Ok(problem(
                 StatusCode::BAD_REQUEST,
                 "invalid-idempotency-scope",
@@ -184,23 +221,7 @@ where
             ));
         }
     };
-
-    // The handler runs in a task of its own so that it finishes, and its
-    // response is stored, even when the client goes away mid-request: the
-    // client's retry then gets 409 and later the stored answer, and the
-    // handler runs once. A panic there drops the lease, which releases the key.
-    let executed = tokio::spawn(execute(inner, request, lease, config));
-    match executed.await {
-        Ok(result) => result,
-        Err(join_error) if join_error.is_panic() => {
-            std::panic::resume_unwind(join_error.into_panic())
-        }
-        Err(_) => Ok(problem(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "handler-cancelled",
-            "the handler was cancelled",
-        )),
-    }
+    execute(inner, request, lease, config).await
 }
 
 /// Runs the handler holding `lease`, then stores its response or releases the key.
@@ -228,37 +249,45 @@ where
     let (parts, response_body) = response.into_parts();
     match body::capture(response_body, config.max_stored_bytes).await {
         Ok(Captured::Whole(bytes)) => {
-            if (config.store)(parts.status) {
-                let stored = StoredResponse {
-                    status_code: u32::from(parts.status.as_u16()),
-                    body: bytes.to_vec(),
-                    headers: replayable_headers(&parts.headers, &config),
-                };
+            if !(config.store)(parts.status) {
+                release(&mut lease).await;
+                return Ok(Response::from_parts(parts, body::full(bytes)));
+            }
+            let stored = StoredResponse {
+                status_code: u32::from(parts.status.as_u16()),
+                body: bytes.to_vec(),
+                headers: replayable_headers(&parts.headers, &config),
+            };
+            if stored.size() > config.max_stored_bytes {
+                store_unreplayable(&mut lease, config.max_stored_bytes).await;
+            } else {
                 match lease.complete(&stored).await {
                     Ok(()) => {}
                     Err(Error::LeaseLost) => tracing::error!(
                         key = %lease.id().key,
                         "lease lost before the response was stored: the handler may have run twice"
                     ),
+                    // The service's own limit is lower than ours.
+                    Err(Error::InvalidArgument { .. }) => {
+                        store_unreplayable(&mut lease, config.max_stored_bytes).await;
+                    }
+                    // The lease stays until it passes: releasing would run the handler again.
                     Err(error) => {
                         tracing::warn!(%error, key = %lease.id().key, "response not stored")
                     }
                 }
-            } else {
-                release(&mut lease).await;
             }
             Ok(Response::from_parts(parts, body::full(bytes)))
         }
         Ok(Captured::TooLarge { read, rest }) => {
-            tracing::warn!(key = %lease.id().key, limit = config.max_stored_bytes,
-                "response too large to store: released the key");
-            release(&mut lease).await;
+            store_unreplayable(&mut lease, config.max_stored_bytes).await;
             Ok(Response::from_parts(
                 parts,
                 body::boxed(Prefixed::new(read, rest)),
             ))
         }
         Err(error) => {
+            // Like a 5xx: the handler failed to answer, so a retry may run it again.
             let error: BoxError = error.into();
             tracing::warn!(%error, "the handler's response body failed: released the key");
             release(&mut lease).await;
@@ -268,6 +297,24 @@ where
                 "the response could not be produced",
             ))
         }
+    }
+}
+
+/// The handler ran but its response is too large to store. Running it again
+/// on a retry could repeat its effects, so retries get a terminal error
+/// instead: the request was processed once, its answer cannot be replayed.
+async fn store_unreplayable(lease: &mut Lease, limit: usize) {
+    tracing::warn!(key = %lease.id().key, limit, "response too large to store: retries get a 500");
+    let body = serde_json::json!({
+        "type": "urn:idempotency:problem:response-not-replayable",
+        "title": "Internal Server Error",
+        "status": 500,
+        "detail": format!("the request was processed, but its response exceeded {limit} bytes and cannot be replayed"),
+    });
+    let error = StoredResponse::new(500, body.to_string())
+        .with_header("content-type", "application/problem+json");
+    if let Err(error) = lease.fail(&error).await {
+        tracing::warn!(%error, key = %lease.id().key, "could not store the failure");
     }
 }
 
@@ -306,9 +353,22 @@ fn operation(parts: &Parts) -> String {
     format!("{} #{hex}", parts.method)
 }
 
-/// Canonical JSON when the body is JSON (so key order and whitespace do not
-/// matter), else the bytes as they are.
+/// What makes two requests "the same": the concrete path and query (the
+/// operation holds only the route template, so `/payments/1/capture` and
+/// `/payments/2/capture` share a scope and must differ here), and the body:
+/// canonical JSON when it is JSON (so key order and whitespace do not
+/// matter), else its bytes.
 fn request_fingerprint(parts: &Parts, body: &[u8], config: &HttpConfig) -> Vec<u8> {
+    let target = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |target| target.as_str());
+    let mut input = fingerprint::bytes(target.as_bytes());
+    input.extend(body_fingerprint(parts, body, config));
+    fingerprint::bytes(&input)
+}
+
+fn body_fingerprint(parts: &Parts, body: &[u8], config: &HttpConfig) -> Vec<u8> {
     let is_json = parts
         .headers
         .get(http::header::CONTENT_TYPE)

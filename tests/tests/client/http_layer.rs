@@ -12,7 +12,7 @@ use idempotency_tests::{
 
 use crate::support::*;
 
-const BANK_DELAY: Duration = Duration::from_millis(800);
+const BANK_DELAY: Duration = Duration::from_millis(1500);
 
 async fn app(server: &TestServer, config: HttpConfig) -> (PaymentsApp, HttpClient) {
     let app = PaymentsApp::start(client_of(server), config, BANK_DELAY).await;
@@ -306,4 +306,58 @@ async fn a_handler_slower_than_its_lease_keeps_the_key_by_renewing() {
     );
     assert_eq!(first.await.unwrap().status, 201);
     assert_eq!(app.ledger.calls("/payments", "judy"), 1);
+}
+
+#[tokio::test]
+async fn one_key_on_two_resources_of_a_route_is_a_mismatch_not_a_replay() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let app = PaymentsApp::start(client_of(&server), HttpConfig::new("shop"), Duration::ZERO).await;
+    let http = HttpClient::new(app.addr);
+    let key = unique_key("capture");
+
+    let first = http
+        .post("/payments/1/capture", Some(&key), "kim", "")
+        .await;
+    let other_resource = http
+        .post("/payments/2/capture", Some(&key), "kim", "")
+        .await;
+    let other_query = http
+        .post("/payments/1/capture?amount=5", Some(&key), "kim", "")
+        .await;
+    let same = http
+        .post("/payments/1/capture", Some(&key), "kim", "")
+        .await;
+
+    assert_eq!(first.status, 201);
+    assert_eq!(other_resource.status, 422, "{other_resource:?}");
+    assert_eq!(other_query.status, 422, "{other_query:?}");
+    assert_eq!(same.header("idempotent-replayed"), Some("true"));
+    assert_eq!(app.ledger.calls("/payments/{id}/capture", "kim"), 1);
+}
+
+#[tokio::test]
+async fn a_response_too_large_to_store_is_never_run_twice() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let config = HttpConfig::new("shop").max_stored_bytes(1024);
+    let app = PaymentsApp::start(client_of(&server), config, Duration::ZERO).await;
+    let http = HttpClient::new(app.addr);
+    let key = unique_key("huge");
+
+    let first = http
+        .post("/payments", Some(&key), "lee", r#"{"outcome":"huge"}"#)
+        .await;
+    let retry = http
+        .post("/payments", Some(&key), "lee", r#"{"outcome":"huge"}"#)
+        .await;
+
+    assert_eq!(
+        (first.status, first.body.len()),
+        (201, 4096),
+        "the first answer is whole"
+    );
+    assert_eq!(retry.status, 500, "{retry:?}");
+    assert!(retry.body.contains("response-not-replayable"), "{retry:?}");
+    assert_eq!(app.ledger.calls("/payments", "lee"), 1);
 }

@@ -135,16 +135,28 @@ async fn a_cancelled_call_releases_the_key() {
     let client = client_of(&server);
     let request = request("cancelled");
 
-    let cancelled = tokio::time::timeout(
-        Duration::from_millis(300),
-        client.run(&request, &Options::default(), |_| async {
-            tokio::time::sleep(Duration::from_secs(30)).await;
-            Ok(StoredResponse::new(201, "never"))
-        }),
-    )
-    .await;
+    let started = std::sync::Arc::new(tokio::sync::Notify::new());
 
-    assert!(cancelled.is_err(), "the call was dropped mid-flight");
+    // Cancel once the logic is running (so Acquire is done), as a client hang-up would.
+    let options = Options::default();
+    let cancelled = tokio::time::timeout(Duration::from_secs(10), async {
+        let run = client.run(&request, &options, |_| {
+            let started = started.clone();
+            async move {
+                started.notify_one();
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                Ok(StoredResponse::new(201, "never"))
+            }
+        });
+        tokio::select! {
+            result = run => Some(result),
+            () = started.notified() => None,
+        }
+    })
+    .await
+    .unwrap();
+
+    assert!(cancelled.is_none(), "the call was dropped mid-flight");
     wait_for_state(&client, &request.id, RecordState::Released).await;
     let Acquisition::Proceed(lease) = client.acquire(&request).await.unwrap() else {
         panic!()
@@ -165,13 +177,14 @@ async fn a_takeover_during_the_logic_surfaces_as_lease_lost() {
         async move {
             client
                 .run(&request, &Options::default(), |_| async {
-                    tokio::time::sleep(Duration::from_millis(1800)).await;
+                    tokio::time::sleep(Duration::from_millis(3000)).await;
                     Ok::<_, String>(StoredResponse::new(201, "slow"))
                 })
                 .await
         }
     });
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    wait_for_state(&client, &request.id, RecordState::InProgress).await;
+    tokio::time::sleep(Duration::from_millis(1300)).await; // The 1 s lease passes.
     let Acquisition::Proceed(mut usurper) = client.acquire(&request).await.unwrap() else {
         panic!()
     };
@@ -200,13 +213,13 @@ async fn in_progress_returns_at_once_or_waits_for_the_outcome_when_asked() {
         async move {
             client
                 .run(&request, &Options::default(), |_| async {
-                    tokio::time::sleep(Duration::from_millis(700)).await;
+                    tokio::time::sleep(Duration::from_millis(1500)).await;
                     Ok::<_, String>(StoredResponse::new(201, "first"))
                 })
                 .await
         }
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    wait_for_state(&client, &request.id, RecordState::InProgress).await;
     let ran_again = Arc::new(AtomicU32::new(0));
 
     let at_once = client
