@@ -74,6 +74,7 @@ impl Engine {
                     fencing_token: row.fencing_token(),
                     lease_expires_at: row.lease_expires_at,
                     expires_at: row.expires_at,
+                    takeover: row.took_over_lapsed_lease(),
                 });
             }
             // Not taken: read why. The common replay path costs this second round trip.

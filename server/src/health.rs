@@ -5,16 +5,11 @@ use std::time::Duration;
 
 use tonic_health::{ServingStatus, server::HealthReporter};
 
-use crate::{grpc::GrpcService, grpc::service::IdempotencyServiceServer, store::Store};
-
-pub const DATABASE_UP: &str = "idempotency_database_up";
-
-pub fn describe() {
-    metrics::describe_gauge!(
-        DATABASE_UP,
-        "1 when the last health probe reached the database, else 0."
-    );
-}
+use crate::{
+    grpc::{GrpcService, service::IdempotencyServiceServer},
+    metrics::DATABASE_UP,
+    store::Store,
+};
 
 /// Sets the overall ("") and the service's status together.
 pub async fn set(reporter: &HealthReporter, status: ServingStatus) {

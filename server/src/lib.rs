@@ -14,12 +14,15 @@
 //! [`shutdown`] (the process signal).
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod db;
 pub mod domain;
 pub mod engine;
 pub mod error;
 pub mod grpc;
 pub mod health;
+pub mod maintenance;
+pub mod metrics;
 pub mod settings;
 pub mod shutdown;
 pub mod startup;

@@ -1,25 +1,30 @@
+use std::process::ExitCode;
+
 use anyhow::Context;
 use clap::Parser;
 use idempotency_server::{
-    db,
-    settings::{Cli, Command},
+    admin, db,
+    maintenance::{self},
+    settings::{Cli, Command, DatabaseArgs},
     shutdown,
     startup::{Application, ServerConfig},
     telemetry,
 };
 
+fn pool(database: &DatabaseArgs) -> anyhow::Result<sqlx::PgPool> {
+    Ok(db::pool(
+        database.connect_options().context("parsing DATABASE_URL")?,
+        &database.pool_settings(),
+    ))
+}
+
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> anyhow::Result<ExitCode> {
     match Cli::parse().into_command() {
         Command::Serve(args) => {
             telemetry::init_logs(&args.log);
             tracing::info!(database = %args.database.database_url.redacted(), "starting");
-            let pool = db::pool(
-                args.database
-                    .connect_options()
-                    .context("parsing DATABASE_URL")?,
-                &args.database.pool_settings(),
-            );
+            let pool = pool(&args.database)?;
             if args.migrate {
                 db::migrate(&pool).await.context("applying migrations")?;
                 tracing::info!("migrations applied");
@@ -32,15 +37,35 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Migrate(args) => {
             telemetry::init_logs(&args.log);
-            let pool = db::pool(
-                args.database
-                    .connect_options()
-                    .context("parsing DATABASE_URL")?,
-                &args.database.pool_settings(),
-            );
-            db::migrate(&pool).await.context("applying migrations")?;
+            db::migrate(&pool(&args.database)?)
+                .await
+                .context("applying migrations")?;
             tracing::info!(database = %args.database.database_url.redacted(), "migrations applied");
         }
+        Command::Reap(args) => {
+            telemetry::init_logs(&args.log);
+            let pool = pool(&args.database)?;
+            let settings = args.reaper.settings();
+            if !args.once {
+                tokio::select! {
+                    () = maintenance::run_reaper(pool, settings) => {}
+                    () = shutdown::signal() => {}
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
+            // The run's outcome is logged by `reap`; the exit status tells the CronJob.
+            if maintenance::reap(&pool, &settings.limits).await.is_err() {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        Command::Admin(args) => {
+            let pool = pool(&args.database)?;
+            let mut out = std::io::stdout().lock();
+            if let Err(error) = admin::run(&pool, args.command, args.json, &mut out).await {
+                eprintln!("idempotencyd admin: {error}");
+                return Ok(ExitCode::FAILURE);
+            }
+        }
     }
-    Ok(())
+    Ok(ExitCode::SUCCESS)
 }

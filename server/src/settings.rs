@@ -6,7 +6,9 @@ use std::{fmt, net::SocketAddr, str::FromStr, time::Duration};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::{db::PoolSettings, domain::Limits};
+use crate::{
+    db::PoolSettings, domain::Limits, maintenance::ReaperSettings, store::reaper::ReapLimits,
+};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -26,6 +28,10 @@ pub enum Command {
     Serve(Box<ServeArgs>),
     /// Apply the database migrations, then exit.
     Migrate(MigrateArgs),
+    /// Delete expired records (`--once` for a CronJob), then exit.
+    Reap(ReapArgs),
+    /// Operator commands on records, straight on the database.
+    Admin(AdminArgs),
 }
 
 impl Cli {
@@ -76,6 +82,116 @@ pub struct ServeArgs {
     /// On SIGTERM, how long in-flight calls may take to finish.
     #[arg(long, env = "IDEMPOTENCY_DRAIN_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
     pub drain_timeout: Duration,
+
+    /// Run the reaper in this process (one replica at a time deletes; turn
+    /// off when a CronJob runs `idempotencyd reap --once` instead).
+    #[arg(long, env = "IDEMPOTENCY_REAPER_ENABLED", default_value_t = true, action = clap::ArgAction::Set)]
+    pub reaper_enabled: bool,
+    #[command(flatten)]
+    pub reaper: ReaperArgs,
+    /// How often table size and row counts are refreshed for /metrics.
+    #[arg(long, env = "IDEMPOTENCY_STATS_INTERVAL", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub stats_interval: Duration,
+    /// Distinct `namespace` label values in /metrics; later namespaces are counted as `other`.
+    #[arg(
+        long,
+        env = "IDEMPOTENCY_METRICS_MAX_NAMESPACES",
+        default_value_t = 200
+    )]
+    pub metrics_max_namespaces: usize,
+}
+
+/// How expired records are deleted.
+#[derive(Debug, Clone, Args)]
+pub struct ReaperArgs {
+    /// Time between reaper runs.
+    #[arg(long, env = "IDEMPOTENCY_REAPER_INTERVAL", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub reaper_interval: Duration,
+    /// Rows deleted per statement.
+    #[arg(long, env = "IDEMPOTENCY_REAPER_BATCH_SIZE", default_value_t = 1000)]
+    pub reaper_batch_size: u32,
+    /// Pause between two delete statements.
+    #[arg(long, env = "IDEMPOTENCY_REAPER_BATCH_PAUSE", default_value = "50ms", value_parser = humantime::parse_duration)]
+    pub reaper_batch_pause: Duration,
+    /// Most rows deleted by one run; the next run continues.
+    #[arg(
+        long,
+        env = "IDEMPOTENCY_REAPER_MAX_PER_RUN",
+        default_value_t = 1_000_000
+    )]
+    pub reaper_max_per_run: u64,
+}
+
+impl ReaperArgs {
+    pub fn settings(&self) -> ReaperSettings {
+        ReaperSettings {
+            interval: self.reaper_interval,
+            limits: ReapLimits {
+                batch_size: self.reaper_batch_size,
+                batch_pause: self.reaper_batch_pause,
+                max_per_run: self.reaper_max_per_run,
+            },
+        }
+    }
+}
+
+/// The settings of `reap`.
+#[derive(Debug, Clone, Args)]
+pub struct ReapArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
+    #[command(flatten)]
+    pub reaper: ReaperArgs,
+    /// Run once and exit (status 0 when done or when another process holds
+    /// the reaper lock, 1 on error); without it, run every --reaper-interval.
+    #[arg(long)]
+    pub once: bool,
+}
+
+/// The settings of `admin`.
+#[derive(Debug, Clone, Args)]
+pub struct AdminArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: AdminCommand,
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum AdminCommand {
+    /// Show one record: state, times, token, response size.
+    Get(RecordIdArgs),
+    /// Delete one record so its key can be used again at once.
+    Purge(RecordIdArgs),
+    /// List in-progress records whose lease expired more than --older-than ago.
+    Stuck {
+        /// How long past its lease a record must be.
+        #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+        older_than: Duration,
+        /// Most records listed.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+    },
+    /// Records by namespace and state (exact: scans the table), and the table's size.
+    Stats,
+}
+
+/// The four parts of a record id.
+#[derive(Debug, Clone, Args)]
+pub struct RecordIdArgs {
+    #[arg(long)]
+    pub namespace: String,
+    #[arg(long)]
+    pub operation: String,
+    #[arg(long, default_value = "")]
+    pub subject: String,
+    #[arg(long)]
+    pub key: String,
 }
 
 impl ServeArgs {

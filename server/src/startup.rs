@@ -13,7 +13,9 @@ use crate::{
     domain::Limits,
     engine::Engine,
     grpc::{GrpcService, pb, service::IdempotencyServiceServer},
-    health,
+    health, maintenance,
+    maintenance::ReaperSettings,
+    metrics::NamespaceLabels,
     settings::ServeArgs,
     store::Store,
     telemetry,
@@ -28,6 +30,12 @@ pub struct ServerConfig {
     pub limits: Limits,
     pub health_check_interval: Duration,
     pub drain_timeout: Duration,
+    /// The in-process reaper; `None` when a CronJob (or nobody) reaps.
+    pub reaper: Option<ReaperSettings>,
+    /// How often the table gauges are refreshed.
+    pub stats_interval: Duration,
+    /// Distinct namespaces named in metric labels.
+    pub max_metric_namespaces: usize,
 }
 
 impl ServerConfig {
@@ -38,6 +46,20 @@ impl ServerConfig {
             limits: args.limits(),
             health_check_interval: args.health_check_interval,
             drain_timeout: args.drain_timeout,
+            reaper: args.reaper_enabled.then(|| args.reaper.settings()),
+            stats_interval: args.stats_interval,
+            max_metric_namespaces: args.metrics_max_namespaces,
+        }
+    }
+}
+
+/// Background tasks, aborted together when dropped.
+struct BackgroundTasks(Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for BackgroundTasks {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
         }
     }
 }
@@ -46,6 +68,9 @@ impl ServerConfig {
 /// larger ones at the transport, leave the exact limit to validation so the
 /// caller gets INVALID_ARGUMENT naming it.
 const MIN_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+
+/// How often the pool's connection counts are published.
+const POOL_GAUGE_INTERVAL: Duration = Duration::from_secs(5);
 
 /// After draining, how long to wait for the pool's connections to come back.
 const POOL_CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -132,8 +157,23 @@ impl Application {
             reporter.clone(),
             config.health_check_interval,
         ));
-        let metrics_server = metrics_listener
-            .map(|listener| tokio::spawn(serve_metrics(listener, telemetry::metrics_handle())));
+        let mut background = vec![
+            tokio::spawn(maintenance::watch_table(
+                pool.clone(),
+                config.stats_interval,
+            )),
+            tokio::spawn(maintenance::watch_pool(pool.clone(), POOL_GAUGE_INTERVAL)),
+        ];
+        if let Some(reaper) = config.reaper.clone() {
+            background.push(tokio::spawn(maintenance::run_reaper(pool.clone(), reaper)));
+        }
+        if let Some(listener) = metrics_listener {
+            background.push(tokio::spawn(serve_metrics(
+                listener,
+                telemetry::metrics_handle(),
+            )));
+        }
+        let background = BackgroundTasks(background);
 
         // v1 for current tools, v1alpha for grpcurl 1.8 and older clients. The
         // google.rpc types let tools decode the error details we send.
@@ -148,7 +188,8 @@ impl Application {
 
         let max_message = MIN_MESSAGE_BYTES.max(config.limits.max_response_bytes.saturating_mul(2));
         let engine = Engine::new(store, config.limits.clone());
-        let api = IdempotencyServiceServer::new(GrpcService::new(engine))
+        let namespaces = NamespaceLabels::new(config.max_metric_namespaces);
+        let api = IdempotencyServiceServer::new(GrpcService::new(engine, namespaces))
             .max_decoding_message_size(max_message);
 
         tracing::info!(addr = %grpc_listener.local_addr().map_err(|source| StartupError::Bind { addr: config.grpc_addr, source })?, "serving gRPC");
@@ -181,9 +222,7 @@ impl Application {
             }
         };
         watcher.abort();
-        if let Some(task) = metrics_server {
-            task.abort();
-        }
+        drop(background);
         // Each connection runs in its own task, so calls that outlived the
         // drain timeout may still hold database connections: bound the wait
         // for them too. Returning ends the process, and those calls with it.

@@ -40,8 +40,7 @@ pub fn metrics_handle() -> PrometheusHandle {
                 .expect("bucket list is not empty")
                 .install_recorder()
                 .expect("no other metrics recorder is installed");
-            crate::grpc::metrics::describe();
-            crate::health::describe();
+            crate::metrics::describe();
             handle
         })
         .clone()

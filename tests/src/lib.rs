@@ -51,3 +51,51 @@ pub fn response(status_code: u32, body: &str) -> pb::StoredResponse {
         .into(),
     }
 }
+
+/// Inserts `count` records straight into the table, expired `expired_seconds_ago`
+/// (negative: expiring in the future), completed, in namespace `namespace`.
+pub async fn insert_records(
+    pool: &sqlx::PgPool,
+    namespace: &str,
+    count: i64,
+    expired_seconds_ago: i64,
+) {
+    sqlx::query(
+        "INSERT INTO idempotency_records
+             (namespace, operation, subject, key, state, fingerprint, fencing_token,
+              created_at, expires_at, completed_at, response_status, response_body, response_headers)
+         SELECT $1, 'POST /bulk', '', 'bulk-key-' || n, 'completed', '', 1,
+                now() - interval '1 day', now() - make_interval(secs => $3), now(), 201, '', '{}'
+         FROM generate_series(1, $2) AS n",
+    )
+    .bind(namespace)
+    .bind(count)
+    .bind(expired_seconds_ago as f64)
+    .execute(pool)
+    .await
+    .expect("inserting records");
+}
+
+/// Fetches `path` from `addr` over plain HTTP/1.0 and returns the whole answer.
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: test\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut body = String::new();
+    stream.read_to_string(&mut body).await.unwrap();
+    body
+}
+
+/// The value of the sample `series` (name with labels, as rendered) in a /metrics page.
+pub fn metric_value(page: &str, series: &str) -> Option<f64> {
+    page.lines().find_map(|line| {
+        line.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
+}

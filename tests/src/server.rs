@@ -20,6 +20,10 @@ pub fn test_config() -> ServerConfig {
         limits: Limits::default(),
         health_check_interval: Duration::from_millis(200),
         drain_timeout: Duration::from_secs(10),
+        // Tests that need the reaper or the table gauges turn them on.
+        reaper: None,
+        stats_interval: Duration::from_secs(3600),
+        max_metric_namespaces: 200,
     }
 }
 

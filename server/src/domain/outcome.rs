@@ -10,6 +10,8 @@ pub enum AcquireOutcome {
         fencing_token: FencingToken,
         lease_expires_at: Timestamp,
         expires_at: Timestamp,
+        /// The previous holder's lease had passed: it crashed or was too slow.
+        takeover: bool,
     },
     /// Another attempt holds a live lease.
     InProgress {

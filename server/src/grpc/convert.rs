@@ -37,6 +37,17 @@ pub fn acquire_request(request: pb::AcquireRequest) -> Result<AcquireRequest, In
     })
 }
 
+/// Tokens start at 1: 0 is the protobuf default of a field left unset.
+pub fn fencing_token(token: u64) -> Result<u64, InvalidField> {
+    if token == 0 {
+        return Err(InvalidField::new(
+            "fencing_token",
+            "is required: the token Acquire returned (1 or more)",
+        ));
+    }
+    Ok(token)
+}
+
 pub fn lease(value: Option<prost_types::Duration>) -> Result<Option<Duration>, InvalidField> {
     duration("lease", value)
 }
@@ -95,6 +106,7 @@ pub fn acquire_response(outcome: AcquireOutcome) -> pb::AcquireResponse {
             fencing_token,
             lease_expires_at,
             expires_at,
+            takeover: _,
         } => Outcome::Acquired(pb::Acquired {
             fencing_token,
             lease_expires_at: Some(timestamp(lease_expires_at)),

@@ -5,65 +5,92 @@ use std::time::Instant;
 
 use tonic::Code;
 
-use crate::domain::AcquireOutcome;
+use crate::{
+    domain::AcquireOutcome,
+    metrics::{
+        FINGERPRINT_MISMATCHES_TOTAL, LEASE_TAKEOVERS_TOTAL, NamespaceLabels, REPLAYS_TOTAL,
+        REQUEST_DURATION_SECONDS, REQUESTS_TOTAL, UNKNOWN_NAMESPACE,
+    },
+};
 
-pub const REQUESTS_TOTAL: &str = "idempotency_requests_total";
-pub const REQUEST_DURATION_SECONDS: &str = "idempotency_request_duration_seconds";
-
-/// Registers HELP text so `/metrics` is self-describing.
-pub fn describe() {
-    metrics::describe_counter!(
-        REQUESTS_TOTAL,
-        "gRPC calls answered, by RPC and outcome (cancelled: the caller went away)."
-    );
-    metrics::describe_histogram!(
-        REQUEST_DURATION_SECONDS,
-        metrics::Unit::Seconds,
-        "Time to answer a gRPC call, by RPC and outcome."
-    );
-}
-
-/// Times one call and counts it under its outcome.
-pub struct CallMetrics {
+/// Times one call and counts it under its outcome and namespace.
+pub struct CallMetrics<'a> {
     rpc: &'static str,
     started: Instant,
     outcome: &'static str,
+    labels: &'a NamespaceLabels,
+    namespace: Option<String>,
 }
 
-impl CallMetrics {
-    pub fn start(rpc: &'static str) -> Self {
+impl<'a> CallMetrics<'a> {
+    pub fn start(rpc: &'static str, labels: &'a NamespaceLabels) -> Self {
         Self {
             rpc,
             started: Instant::now(),
             outcome: "cancelled",
+            labels,
+            namespace: None,
         }
     }
 
-    /// Records how the call ended: `ok`, an Acquire outcome, or the error's code.
-    pub fn finish<T>(&mut self, result: &Result<T, tonic::Status>, success: &'static str) {
+    /// Names the caller's namespace once the request parsed.
+    pub fn namespace(&mut self, namespace: &str) {
+        self.namespace = Some(self.labels.label(namespace));
+    }
+
+    fn namespace_label(&self) -> String {
+        self.namespace
+            .clone()
+            .unwrap_or_else(|| UNKNOWN_NAMESPACE.to_owned())
+    }
+
+    /// Records how the call ended: `ok`, or the error's code.
+    pub fn finish<T>(&mut self, result: &Result<T, tonic::Status>) {
         self.outcome = match result {
-            Ok(_) => success,
+            Ok(_) => "ok",
             Err(status) => code_outcome(status.code()),
+        };
+    }
+
+    /// Records an Acquire's outcome, and the events behind it.
+    pub fn acquire_outcome(&mut self, outcome: &AcquireOutcome) {
+        let namespace = self.namespace_label();
+        self.outcome = match outcome {
+            AcquireOutcome::Acquired { takeover, .. } => {
+                if *takeover {
+                    metrics::counter!(LEASE_TAKEOVERS_TOTAL, "namespace" => namespace).increment(1);
+                }
+                "acquired"
+            }
+            AcquireOutcome::InProgress { .. } => "in_progress",
+            AcquireOutcome::Completed { .. } => {
+                metrics::counter!(REPLAYS_TOTAL, "namespace" => namespace).increment(1);
+                "completed"
+            }
+            AcquireOutcome::Failed { .. } => {
+                metrics::counter!(REPLAYS_TOTAL, "namespace" => namespace).increment(1);
+                "failed"
+            }
+            AcquireOutcome::FingerprintMismatch => {
+                metrics::counter!(FINGERPRINT_MISMATCHES_TOTAL, "namespace" => namespace)
+                    .increment(1);
+                "fingerprint_mismatch"
+            }
         };
     }
 }
 
-impl Drop for CallMetrics {
+impl Drop for CallMetrics<'_> {
     fn drop(&mut self) {
-        let labels = [("rpc", self.rpc), ("outcome", self.outcome)];
-        metrics::counter!(REQUESTS_TOTAL, &labels).increment(1);
-        metrics::histogram!(REQUEST_DURATION_SECONDS, &labels)
+        metrics::counter!(
+            REQUESTS_TOTAL,
+            "rpc" => self.rpc,
+            "outcome" => self.outcome,
+            "namespace" => self.namespace_label()
+        )
+        .increment(1);
+        metrics::histogram!(REQUEST_DURATION_SECONDS, "rpc" => self.rpc, "outcome" => self.outcome)
             .record(self.started.elapsed().as_secs_f64());
-    }
-}
-
-pub fn acquire_outcome(outcome: &AcquireOutcome) -> &'static str {
-    match outcome {
-        AcquireOutcome::Acquired { .. } => "acquired",
-        AcquireOutcome::InProgress { .. } => "in_progress",
-        AcquireOutcome::Completed { .. } => "completed",
-        AcquireOutcome::Failed { .. } => "failed",
-        AcquireOutcome::FingerprintMismatch => "fingerprint_mismatch",
     }
 }
 

@@ -3,7 +3,7 @@
 use tonic::{Request, Response, Status};
 
 use super::{convert, metrics::CallMetrics, pb, status::to_status};
-use crate::engine::Engine;
+use crate::{engine::Engine, metrics::NamespaceLabels};
 
 pub use pb::idempotency_service_server::IdempotencyServiceServer;
 
@@ -11,11 +11,12 @@ pub use pb::idempotency_service_server::IdempotencyServiceServer;
 #[derive(Debug, Clone)]
 pub struct GrpcService {
     engine: Engine,
+    namespaces: NamespaceLabels,
 }
 
 impl GrpcService {
-    pub fn new(engine: Engine) -> Self {
-        Self { engine }
+    pub fn new(engine: Engine, namespaces: NamespaceLabels) -> Self {
+        Self { engine, namespaces }
     }
 }
 
@@ -26,20 +27,24 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         request: Request<pb::AcquireRequest>,
     ) -> Result<Response<pb::AcquireResponse>, Status> {
         const RPC: &str = "Acquire";
-        let mut call = CallMetrics::start(RPC);
+        let mut call = CallMetrics::start(RPC, &self.namespaces);
         let result = async {
             let request = convert::acquire_request(request.into_inner())?;
+            call.namespace(request.id.namespace());
             self.engine.acquire(request).await
         }
         .await;
-        let outcome = result
-            .as_ref()
-            .map_or("ok", super::metrics::acquire_outcome);
-        let result = result
-            .map(|outcome| Response::new(convert::acquire_response(outcome)))
-            .map_err(|error| to_status(RPC, error));
-        call.finish(&result, outcome);
-        result
+        match result {
+            Ok(outcome) => {
+                call.acquire_outcome(&outcome);
+                Ok(Response::new(convert::acquire_response(outcome)))
+            }
+            Err(error) => {
+                let status = Err(to_status(RPC, error));
+                call.finish(&status);
+                status
+            }
+        }
     }
 
     async fn complete(
@@ -47,14 +52,14 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         request: Request<pb::CompleteRequest>,
     ) -> Result<Response<pb::CompleteResponse>, Status> {
         const RPC: &str = "Complete";
-        let mut call = CallMetrics::start(RPC);
+        let mut call = CallMetrics::start(RPC, &self.namespaces);
         let result = async {
             let request = request.into_inner();
             let id = convert::record_id(request.id)?;
+            call.namespace(id.namespace());
+            let token = convert::fencing_token(request.fencing_token)?;
             let response = convert::stored_response("response", request.response)?;
-            self.engine
-                .complete(&id, request.fencing_token, &response)
-                .await
+            self.engine.complete(&id, token, &response).await
         }
         .await
         .map(|completed_at| {
@@ -63,7 +68,7 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
             })
         })
         .map_err(|error| to_status(RPC, error));
-        call.finish(&result, "ok");
+        call.finish(&result);
         result
     }
 
@@ -72,12 +77,14 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         request: Request<pb::FailRequest>,
     ) -> Result<Response<pb::FailResponse>, Status> {
         const RPC: &str = "Fail";
-        let mut call = CallMetrics::start(RPC);
+        let mut call = CallMetrics::start(RPC, &self.namespaces);
         let result = async {
             let request = request.into_inner();
             let id = convert::record_id(request.id)?;
+            call.namespace(id.namespace());
+            let token = convert::fencing_token(request.fencing_token)?;
             let failure = convert::failure(request.retryable, request.error_response);
-            self.engine.fail(&id, request.fencing_token, &failure).await
+            self.engine.fail(&id, token, &failure).await
         }
         .await
         .map(|state| {
@@ -86,7 +93,7 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
             })
         })
         .map_err(|error| to_status(RPC, error));
-        call.finish(&result, "ok");
+        call.finish(&result);
         result
     }
 
@@ -95,17 +102,19 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         request: Request<pb::RenewRequest>,
     ) -> Result<Response<pb::RenewResponse>, Status> {
         const RPC: &str = "Renew";
-        let mut call = CallMetrics::start(RPC);
+        let mut call = CallMetrics::start(RPC, &self.namespaces);
         let result = async {
             let request = request.into_inner();
             let id = convert::record_id(request.id)?;
+            call.namespace(id.namespace());
+            let token = convert::fencing_token(request.fencing_token)?;
             let lease = convert::lease(request.lease)?;
-            self.engine.renew(&id, request.fencing_token, lease).await
+            self.engine.renew(&id, token, lease).await
         }
         .await
         .map(|lease| Response::new(convert::renew_response(lease)))
         .map_err(|error| to_status(RPC, error));
-        call.finish(&result, "ok");
+        call.finish(&result);
         result
     }
 
@@ -114,9 +123,10 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         request: Request<pb::GetRequest>,
     ) -> Result<Response<pb::GetResponse>, Status> {
         const RPC: &str = "Get";
-        let mut call = CallMetrics::start(RPC);
+        let mut call = CallMetrics::start(RPC, &self.namespaces);
         let result = async {
             let id = convert::record_id(request.into_inner().id)?;
+            call.namespace(id.namespace());
             self.engine.get(&id).await
         }
         .await
@@ -126,7 +136,7 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
             })
         })
         .map_err(|error| to_status(RPC, error));
-        call.finish(&result, "ok");
+        call.finish(&result);
         result
     }
 }

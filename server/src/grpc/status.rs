@@ -21,6 +21,7 @@ pub mod reason {
     pub const RESPONSE_CONFLICT: &str = "RESPONSE_CONFLICT";
     pub const NOT_IN_PROGRESS: &str = "NOT_IN_PROGRESS";
     pub const DATABASE_UNAVAILABLE: &str = "DATABASE_UNAVAILABLE";
+    pub const CONTENTION: &str = "CONTENTION";
     pub const INTERNAL: &str = "INTERNAL";
 }
 
@@ -61,7 +62,7 @@ pub fn to_status(rpc: &'static str, error: Error) -> Status {
             with_reason(
                 Code::Unavailable,
                 "the record is changing concurrently; retry".into(),
-                reason::DATABASE_UNAVAILABLE,
+                reason::CONTENTION,
             )
         }
         Error::Store(StoreError::Unavailable(cause)) => {

@@ -1,12 +1,22 @@
 //! The only place with SQL. Every statement is a single autocommit round trip;
 //! no transaction stays open across a caller's business logic. Every time is
 //! the database's `now()`, so replicas of the service agree on leases.
+//!
+//! This module holds the records' hot path; [`reaper`] deletes expired
+//! records, [`stats`] reads the table's size, [`admin`] serves the operator CLI.
+
+pub mod admin;
+pub mod reaper;
+pub mod stats;
 
 use std::{collections::BTreeMap, time::Duration};
 
-use sqlx::{PgPool, postgres::types::PgInterval, types::Json};
+use sqlx::{PgPool, Postgres, pool::PoolConnection, postgres::types::PgInterval, types::Json};
 
-use crate::domain::{FencingToken, Fingerprint, RecordId, RecordState, StoredResponse, Timestamp};
+use crate::{
+    domain::{FencingToken, Fingerprint, RecordId, RecordState, StoredResponse, Timestamp},
+    metrics::{DB_POOL_WAIT_SECONDS, QueryTimer},
+};
 
 /// A failed statement, sorted by what the caller can do about it.
 #[derive(Debug, thiserror::Error)]
@@ -39,19 +49,20 @@ fn is_transient(error: &sqlx::Error) -> bool {
         | sqlx::Error::Tls(_)
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed
-        | sqlx::Error::Protocol(_) => true,
+        | sqlx::Error::WorkerCrashed => true,
         sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-            // Class 08: connection exception; 53: insufficient resources;
-            // 57P0x: shutdown or restart; 57014: statement timeout or cancel;
-            // 40001/40P01: serialization failure or deadlock, resolved by retrying.
+            // 08: connection exception; 53: insufficient resources; 58: system
+            // error (I/O); 57P0x: shutdown or restart; 57014: statement timeout
+            // or cancel; 40001/40P01: serialization failure or deadlock;
+            // 55P03: lock timeout; 25006: read-only transaction (a failover
+            // left us on a standby until the connection is replaced).
             code.starts_with("08")
                 || code.starts_with("53")
+                || code.starts_with("58")
                 || code.starts_with("57P0")
-                || code == "57014"
-                || code == "40001"
-                || code == "40P01"
+                || matches!(&*code, "57014" | "40001" | "40P01" | "55P03" | "25006")
         }),
+        // Protocol errors and the rest are bugs: retrying would not help.
         _ => false,
     }
 }
@@ -64,12 +75,19 @@ pub struct AcquiredRow {
     fencing_token: i64,
     pub lease_expires_at: Timestamp,
     pub expires_at: Timestamp,
+    previous_state: Option<String>,
 }
 
 impl AcquiredRow {
     pub fn fencing_token(&self) -> FencingToken {
         // The schema keeps tokens positive.
         self.fencing_token as FencingToken
+    }
+
+    /// True when this Acquire took over an attempt whose lease had passed
+    /// (not a released key, not an expired record).
+    pub fn took_over_lapsed_lease(&self) -> bool {
+        self.previous_state.as_deref() == Some(RecordState::InProgress.as_str())
     }
 }
 
@@ -139,7 +157,7 @@ pub struct Store {
     pool: PgPool,
 }
 
-fn interval(duration: Duration) -> PgInterval {
+pub(crate) fn interval(duration: Duration) -> PgInterval {
     PgInterval {
         months: 0,
         days: 0,
@@ -165,6 +183,14 @@ impl Store {
 
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// A connection from the pool, timing the wait for it.
+    async fn connection(&self) -> StoreResult<PoolConnection<Postgres>> {
+        let started = std::time::Instant::now();
+        let connection = self.pool.acquire().await;
+        metrics::histogram!(DB_POOL_WAIT_SECONDS).record(started.elapsed().as_secs_f64());
+        Ok(connection?)
     }
 
     /// Creates the record, or takes over one that expired, was released, or
@@ -199,11 +225,14 @@ impl Store {
                 completed_at = NULL,
                 response_status = NULL,
                 response_body = NULL,
-                response_headers = NULL
+                response_headers = NULL,
+                previous_state = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.state END
             WHERE r.expires_at <= now()
                OR ((r.state = 'released' OR (r.state = 'in_progress' AND r.lease_expires_at <= now()))
                    AND (r.fingerprint = EXCLUDED.fingerprint OR r.fingerprint = '' OR EXCLUDED.fingerprint = ''))
-            RETURNING fencing_token, lease_expires_at, expires_at";
+            RETURNING fencing_token, lease_expires_at, expires_at, previous_state";
+        let _timer = QueryTimer::start("acquire");
+        let mut connection = self.connection().await?;
         let row = sqlx::query_as::<_, AcquiredRow>(SQL)
             .bind(id.namespace())
             .bind(id.operation())
@@ -212,7 +241,7 @@ impl Store {
             .bind(fingerprint.as_bytes())
             .bind(interval(ttl))
             .bind(interval(lease))
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *connection)
             .await?;
         Ok(row)
     }
@@ -224,12 +253,14 @@ impl Store {
                    completed_at, response_status, response_body, response_headers, now() AS db_now
             FROM idempotency_records
             WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4";
+        let _timer = QueryTimer::start("read");
+        let mut connection = self.connection().await?;
         let row = sqlx::query_as::<_, RecordRow>(SQL)
             .bind(id.namespace())
             .bind(id.operation())
             .bind(id.subject())
             .bind(id.key())
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *connection)
             .await?;
         Ok(row)
     }
@@ -254,6 +285,8 @@ impl Store {
             WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
               AND fencing_token = $5 AND state = 'in_progress' AND expires_at > now()
             RETURNING completed_at";
+        let _timer = QueryTimer::start("finish");
+        let mut connection = self.connection().await?;
         let completed_at = sqlx::query_scalar::<_, Timestamp>(SQL)
             .bind(id.namespace())
             .bind(id.operation())
@@ -264,7 +297,7 @@ impl Store {
             .bind(status(response))
             .bind(&response.body)
             .bind(Json(&response.headers))
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *connection)
             .await?;
         Ok(completed_at)
     }
@@ -277,13 +310,15 @@ impl Store {
             SET state = 'released', lease_expires_at = NULL
             WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
               AND fencing_token = $5 AND state = 'in_progress' AND expires_at > now()";
+        let _timer = QueryTimer::start("release");
+        let mut connection = self.connection().await?;
         let result = sqlx::query(SQL)
             .bind(id.namespace())
             .bind(id.operation())
             .bind(id.subject())
             .bind(id.key())
             .bind(token(fencing_token))
-            .execute(&self.pool)
+            .execute(&mut *connection)
             .await?;
         Ok(result.rows_affected() == 1)
     }
@@ -303,6 +338,8 @@ impl Store {
             WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
               AND fencing_token = $5 AND state = 'in_progress' AND expires_at > now()
             RETURNING lease_expires_at, expires_at";
+        let _timer = QueryTimer::start("renew");
+        let mut connection = self.connection().await?;
         let row = sqlx::query_as::<_, (Timestamp, Timestamp)>(SQL)
             .bind(id.namespace())
             .bind(id.operation())
@@ -310,14 +347,16 @@ impl Store {
             .bind(id.key())
             .bind(token(fencing_token))
             .bind(interval(lease))
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *connection)
             .await?;
         Ok(row)
     }
 
     /// A cheap round trip that proves the database answers.
     pub async fn ping(&self) -> StoreResult<()> {
-        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        let _timer = QueryTimer::start("ping");
+        let mut connection = self.connection().await?;
+        sqlx::query("SELECT 1").execute(&mut *connection).await?;
         Ok(())
     }
 }

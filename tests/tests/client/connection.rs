@@ -31,7 +31,10 @@ async fn the_client_speaks_tls_to_a_server_whose_certificate_it_trusts() {
         Server::builder()
             .tls_config(ServerTlsConfig::new().identity(Identity::from_pem(&cert_pem, &key_pem)))
             .unwrap()
-            .add_service(IdempotencyServiceServer::new(GrpcService::new(engine)))
+            .add_service(IdempotencyServiceServer::new(GrpcService::new(
+                engine,
+                idempotency_server::metrics::NamespaceLabels::new(10),
+            )))
             .serve_with_incoming(TcpIncoming::from(listener)),
     );
     let trusting = Client::builder()

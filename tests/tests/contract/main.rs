@@ -3,12 +3,14 @@
 //! the generated client.
 
 mod acquire;
+mod admin;
 mod complete;
 mod fail;
 mod lease;
 mod observability;
 mod outage;
 mod race;
+mod reaper;
 mod scoping;
 mod shutdown;
 mod support;

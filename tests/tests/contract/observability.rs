@@ -1,25 +1,12 @@
 //! Health, reflection and /metrics, as operators and tools see them.
 
-use std::net::SocketAddr;
-
-use idempotency_client::pb;
-use idempotency_tests::{TestDb, TestServer, record_id, server_pool, test_config, unique_key};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use idempotency_tests::{
+    TestDb, TestServer, http_get, record_id, server_pool, test_config, unique_key,
+};
 use tokio_stream::StreamExt;
 use tonic_health::pb::{health_check_response::ServingStatus, health_client::HealthClient};
 
 use crate::{outage::wait_for_health, support::*};
-
-async fn http_get(addr: SocketAddr, path: &str) -> String {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    stream
-        .write_all(format!("GET {path} HTTP/1.0\r\nHost: test\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut body = String::new();
-    stream.read_to_string(&mut body).await.unwrap();
-    body
-}
 
 #[tokio::test]
 async fn metrics_count_calls_by_rpc_and_outcome_with_help_text() {
@@ -44,9 +31,9 @@ async fn metrics_count_calls_by_rpc_and_outcome_with_help_text() {
     for expected in [
         "# HELP idempotency_requests_total",
         "# TYPE idempotency_request_duration_seconds histogram",
-        r#"idempotency_requests_total{rpc="Acquire",outcome="acquired"}"#,
-        r#"idempotency_requests_total{rpc="Acquire",outcome="in_progress"}"#,
-        r#"idempotency_requests_total{rpc="Get",outcome="not_found"}"#,
+        r#"idempotency_requests_total{rpc="Acquire",outcome="acquired",namespace="payments"}"#,
+        r#"idempotency_requests_total{rpc="Acquire",outcome="in_progress",namespace="payments"}"#,
+        r#"idempotency_requests_total{rpc="Get",outcome="not_found",namespace="payments"}"#,
         r#"idempotency_request_duration_seconds_bucket{rpc="Acquire",outcome="acquired",le="0.0001"}"#,
     ] {
         assert!(page.contains(expected), "missing {expected} in\n{page}");
@@ -111,5 +98,191 @@ async fn reflection_v1_and_v1alpha_list_the_api_and_health() {
         ),
         "{answer:?}"
     );
-    let _ = pb::RecordState::Completed; // The client crate and the server agree on the package.
+}
+
+/// A server with /metrics, the reaper and the table gauges on short intervals.
+async fn observed_server(db: &TestDb, max_namespaces: usize) -> TestServer {
+    let config = idempotency_server::startup::ServerConfig {
+        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+        reaper: Some(idempotency_server::maintenance::ReaperSettings {
+            interval: std::time::Duration::from_millis(200),
+            ..Default::default()
+        }),
+        stats_interval: std::time::Duration::from_millis(200),
+        max_metric_namespaces: max_namespaces,
+        ..test_config()
+    };
+    TestServer::start_with(config, server_pool(db.connect_options())).await
+}
+
+/// Polls /metrics until `series` has a value satisfying `expected`.
+async fn wait_for_metric(
+    server: &TestServer,
+    series: &str,
+    expected: impl Fn(f64) -> bool,
+) -> String {
+    for _ in 0..100 {
+        let page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
+        if idempotency_tests::metric_value(&page, series).is_some_and(&expected) {
+            return page;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
+    panic!("{series} never reached the expected value in\n{page}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn takeovers_replays_and_mismatches_are_counted_by_namespace_with_a_cap() {
+    let db = TestDb::new().await;
+    let server = observed_server(&db, 2).await;
+    let mut client = server.client.clone();
+    let lapsed = record_id(&unique_key("lapsed"));
+    token(&acquire_leased(&mut client, &lapsed, b"fp", 1).await);
+    let released = record_id(&unique_key("released"));
+    let t = token(&acquire(&mut client, &released, b"fp").await);
+    fail(&mut client, &released, t, true, None).await.unwrap();
+    wait_past(1).await;
+
+    assert_eq!(token(&acquire(&mut client, &lapsed, b"fp").await), 2); // a takeover
+    assert_eq!(token(&acquire(&mut client, &released, b"fp").await), 2); // not a takeover
+    complete(
+        &mut client,
+        &lapsed,
+        2,
+        idempotency_tests::response(201, "x"),
+    )
+    .await
+    .unwrap();
+    acquire(&mut client, &lapsed, b"fp").await; // a replay
+    acquire(&mut client, &lapsed, b"other").await; // a mismatch
+    for namespace in ["second", "third", "fourth"] {
+        let id = idempotency_client::pb::RecordId {
+            namespace: namespace.into(),
+            ..record_id(&unique_key("ns"))
+        };
+        token(&acquire(&mut client, &id, b"").await);
+    }
+
+    let page = wait_for_metric(
+        &server,
+        r#"idempotency_lease_takeovers_total{namespace="payments"}"#,
+        |v| v == 1.0,
+    )
+    .await;
+    let value = |series: &str| idempotency_tests::metric_value(&page, series);
+    assert_eq!(
+        value(r#"idempotency_replays_total{namespace="payments"}"#),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(r#"idempotency_fingerprint_mismatches_total{namespace="payments"}"#),
+        Some(1.0)
+    );
+    // Two namespaces named (payments, second), the rest counted as other.
+    assert_eq!(
+        value(r#"idempotency_requests_total{rpc="Acquire",outcome="acquired",namespace="second"}"#),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(r#"idempotency_requests_total{rpc="Acquire",outcome="acquired",namespace="other"}"#),
+        Some(2.0)
+    );
+    assert!(!page.contains(r#"namespace="third""#), "{page}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn table_pool_and_reaper_gauges_are_published() {
+    let db = TestDb::new().await;
+    idempotency_tests::insert_records(&db.pool, "old", 50, 60).await;
+    idempotency_tests::insert_records(&db.pool, "live", 7, -3600).await;
+    let server = observed_server(&db, 200).await;
+
+    // Background tasks publish at their own pace: wait until all have.
+    let mut page = String::new();
+    for _ in 0..100 {
+        page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
+        let value = |series: &str| idempotency_tests::metric_value(&page, series);
+        if value("idempotency_reaper_deleted_total") == Some(50.0)
+            && value(r#"idempotency_records{state="completed"}"#) == Some(7.0)
+            && value("idempotency_db_pool_max_connections").is_some()
+        {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let value = |series: &str| idempotency_tests::metric_value(&page, series);
+    assert_eq!(
+        value("idempotency_reaper_deleted_total"),
+        Some(50.0),
+        "{page}"
+    );
+    assert_eq!(
+        value(r#"idempotency_records{state="completed"}"#),
+        Some(7.0),
+        "{page}"
+    );
+
+    assert!(value("idempotency_table_bytes").unwrap() > 8192.0);
+    assert_eq!(
+        value(r#"idempotency_records{state="in_progress"}"#),
+        Some(0.0)
+    );
+    assert!(value("idempotency_reaper_last_success_timestamp_seconds").unwrap() > 1.7e9);
+    assert!(value(r#"idempotency_reaper_runs_total{result="success"}"#).unwrap() >= 1.0);
+    assert_eq!(value("idempotency_db_pool_max_connections"), Some(16.0));
+    assert!(value(r#"idempotency_db_pool_connections{state="idle"}"#).is_some());
+    assert!(
+        page.contains(r#"idempotency_db_query_duration_seconds_bucket{query="reap""#),
+        "{page}"
+    );
+    assert!(
+        page.contains("idempotency_db_pool_wait_seconds_bucket"),
+        "{page}"
+    );
+    assert_eq!(db.row_count().await, 7);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_metrics_page_passes_promtool_check_metrics() {
+    let db = TestDb::new().await;
+    idempotency_tests::insert_records(&db.pool, "old", 3, 60).await;
+    let server = observed_server(&db, 200).await;
+    let mut client = server.client.clone();
+    // Exercise every kind of metric: calls of each outcome, the reaper, the gauges.
+    let id = record_id(&unique_key("promtool"));
+    let t = token(&acquire(&mut client, &id, b"fp").await);
+    acquire(&mut client, &id, b"fp").await;
+    acquire(&mut client, &id, b"other").await;
+    complete(&mut client, &id, t, idempotency_tests::response(201, "x"))
+        .await
+        .unwrap();
+    acquire(&mut client, &id, b"fp").await;
+    let _ = get(&mut client, &record_id("short")).await;
+    wait_for_metric(&server, "idempotency_reaper_deleted_total", |v| v == 3.0).await;
+    let page = wait_for_metric(&server, "idempotency_table_bytes", |v| v > 0.0).await;
+    let body = page.split_once("\r\n\r\n").expect("an HTTP answer").1;
+
+    let mut promtool = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool on PATH: `make test` installs it (scripts/install-deploy-tools.sh)");
+    use std::io::Write;
+    promtool
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(body.as_bytes())
+        .unwrap();
+    let output = promtool.wait_with_output().unwrap();
+
+    assert!(
+        output.status.success(),
+        "promtool check metrics failed:\n{}{}\n--- page ---\n{body}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
 }

@@ -125,7 +125,7 @@ async fn an_exhausted_pool_answers_unavailable_instead_of_hanging() {
         let id = id.clone();
         async move { complete(&mut client, &id, t, response(201, "stuck")).await }
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    crate::shutdown::wait_for_lock_wait(&db).await;
 
     let other = acquire_request_raw(&mut client, &record_id(&unique_key("other"))).await;
 

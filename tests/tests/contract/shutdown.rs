@@ -57,7 +57,7 @@ async fn an_in_flight_call_finishes_after_the_shutdown_signal_and_new_calls_are_
 }
 
 /// Waits until a statement of the server waits on a row lock.
-async fn wait_for_lock_wait(db: &TestDb) {
+pub async fn wait_for_lock_wait(db: &TestDb) {
     for _ in 0..100 {
         let waiting: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND wait_event_type = 'Lock'",

@@ -1,0 +1,190 @@
+//! The metrics catalogue: every name the service exports, described in one
+//! place so `/metrics` carries HELP lines, and the cap on caller-supplied labels.
+//!
+//! Names follow `idempotency_<noun>_<unit>`; label sets are bounded.
+
+use std::{
+    collections::HashSet,
+    sync::{Arc, RwLock},
+    time::Instant,
+};
+
+use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+
+pub const REQUESTS_TOTAL: &str = "idempotency_requests_total";
+pub const REQUEST_DURATION_SECONDS: &str = "idempotency_request_duration_seconds";
+pub const DB_QUERY_DURATION_SECONDS: &str = "idempotency_db_query_duration_seconds";
+pub const DB_POOL_CONNECTIONS: &str = "idempotency_db_pool_connections";
+pub const DB_POOL_MAX_CONNECTIONS: &str = "idempotency_db_pool_max_connections";
+pub const DB_POOL_WAIT_SECONDS: &str = "idempotency_db_pool_wait_seconds";
+pub const DATABASE_UP: &str = "idempotency_database_up";
+pub const LEASE_TAKEOVERS_TOTAL: &str = "idempotency_lease_takeovers_total";
+pub const REPLAYS_TOTAL: &str = "idempotency_replays_total";
+pub const FINGERPRINT_MISMATCHES_TOTAL: &str = "idempotency_fingerprint_mismatches_total";
+pub const TABLE_BYTES: &str = "idempotency_table_bytes";
+pub const RECORDS: &str = "idempotency_records";
+pub const REAPER_BACKLOG_SECONDS: &str = "idempotency_reaper_backlog_seconds";
+pub const REAPER_DELETED_TOTAL: &str = "idempotency_reaper_deleted_total";
+pub const REAPER_RUNS_TOTAL: &str = "idempotency_reaper_runs_total";
+pub const REAPER_DURATION_SECONDS: &str = "idempotency_reaper_duration_seconds";
+pub const REAPER_LAST_SUCCESS_TIMESTAMP_SECONDS: &str =
+    "idempotency_reaper_last_success_timestamp_seconds";
+
+/// Registers the HELP text of every metric.
+pub fn describe() {
+    describe_counter!(
+        REQUESTS_TOTAL,
+        "gRPC calls answered, by RPC, outcome (cancelled: the caller went away) and namespace."
+    );
+    describe_histogram!(
+        REQUEST_DURATION_SECONDS,
+        Unit::Seconds,
+        "Time to answer a gRPC call, by RPC and outcome."
+    );
+    describe_histogram!(
+        DB_QUERY_DURATION_SECONDS,
+        Unit::Seconds,
+        "Time of one database statement, by query, including the wait for a connection."
+    );
+    describe_gauge!(
+        DB_POOL_CONNECTIONS,
+        "Open database connections, by state (idle, in_use)."
+    );
+    describe_gauge!(
+        DB_POOL_MAX_CONNECTIONS,
+        "Most database connections the pool may open."
+    );
+    describe_histogram!(
+        DB_POOL_WAIT_SECONDS,
+        Unit::Seconds,
+        "Time a statement waited for a free database connection."
+    );
+    describe_gauge!(
+        DATABASE_UP,
+        "1 when the last health probe reached the database, else 0."
+    );
+    describe_counter!(
+        LEASE_TAKEOVERS_TOTAL,
+        "Acquires that took over a lease that had passed: a spike means callers crash or leases are too short."
+    );
+    describe_counter!(
+        REPLAYS_TOTAL,
+        "Acquires answered with a stored response (completed or failed)."
+    );
+    describe_counter!(
+        FINGERPRINT_MISMATCHES_TOTAL,
+        "Acquires refused because the key was used with another request."
+    );
+    describe_gauge!(
+        TABLE_BYTES,
+        Unit::Bytes,
+        "Size of the records table with its indexes and TOAST (pg_total_relation_size)."
+    );
+    describe_gauge!(
+        RECORDS,
+        "Records by state: exact for small tables, else estimated from planner statistics."
+    );
+    describe_gauge!(
+        REAPER_BACKLOG_SECONDS,
+        Unit::Seconds,
+        "Age of the oldest expired record not yet deleted; 0 when there is none."
+    );
+    describe_counter!(
+        REAPER_DELETED_TOTAL,
+        "Expired records deleted by the reaper."
+    );
+    describe_counter!(
+        REAPER_RUNS_TOTAL,
+        "Reaper runs by result (success, error, skipped: another replica held the lock)."
+    );
+    describe_histogram!(
+        REAPER_DURATION_SECONDS,
+        Unit::Seconds,
+        "Duration of a reaper run."
+    );
+    describe_gauge!(
+        REAPER_LAST_SUCCESS_TIMESTAMP_SECONDS,
+        Unit::Seconds,
+        "Unix time of the last successful reaper run in this process."
+    );
+}
+
+/// Times a database statement; records on drop, so failed ones count too.
+pub struct QueryTimer {
+    query: &'static str,
+    started: Instant,
+}
+
+impl QueryTimer {
+    pub fn start(query: &'static str) -> Self {
+        Self {
+            query,
+            started: Instant::now(),
+        }
+    }
+}
+
+impl Drop for QueryTimer {
+    fn drop(&mut self) {
+        metrics::histogram!(DB_QUERY_DURATION_SECONDS, "query" => self.query)
+            .record(self.started.elapsed().as_secs_f64());
+    }
+}
+
+/// The `namespace` label: caller-supplied, so capped. The first `max`
+/// namespaces seen keep their name; later ones share `other`, so a
+/// misbehaving caller cannot blow up the number of series.
+#[derive(Debug, Clone)]
+pub struct NamespaceLabels {
+    max: usize,
+    seen: Arc<RwLock<HashSet<String>>>,
+}
+
+/// Label of a call whose namespace could not be read (an invalid request).
+pub const UNKNOWN_NAMESPACE: &str = "unknown";
+/// Label shared by namespaces beyond the cap.
+pub const OTHER_NAMESPACE: &str = "other";
+
+impl NamespaceLabels {
+    pub fn new(max: usize) -> Self {
+        Self {
+            max,
+            seen: Arc::default(),
+        }
+    }
+
+    /// The label value for `namespace` (already validated).
+    pub fn label(&self, namespace: &str) -> String {
+        // Read-mostly: after warm-up every call takes only the read lock.
+        if self
+            .seen
+            .read()
+            .expect("label set lock poisoned")
+            .contains(namespace)
+        {
+            return namespace.to_owned();
+        }
+        let mut seen = self.seen.write().expect("label set lock poisoned");
+        if seen.contains(namespace) || seen.len() < self.max {
+            seen.insert(namespace.to_owned());
+            namespace.to_owned()
+        } else {
+            OTHER_NAMESPACE.to_owned()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn namespaces_beyond_the_cap_share_other() {
+        let labels = NamespaceLabels::new(2);
+        assert_eq!(labels.label("a"), "a");
+        assert_eq!(labels.label("b"), "b");
+        assert_eq!(labels.label("c"), OTHER_NAMESPACE);
+        assert_eq!(labels.label("a"), "a");
+        assert_eq!(labels.label("d"), OTHER_NAMESPACE);
+    }
+}

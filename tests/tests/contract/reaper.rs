@@ -1,0 +1,141 @@
+//! Cleanup: expired records are deleted in batches by one replica at a time,
+//! and nothing depends on it for correctness.
+
+use std::time::Duration;
+
+use idempotency_server::{
+    maintenance,
+    store::reaper::{self, ReapLimits, ReapReport},
+    telemetry,
+};
+use idempotency_tests::{TestDb, insert_records, metric_value};
+
+fn limits(batch_size: u32) -> ReapLimits {
+    ReapLimits {
+        batch_size,
+        batch_pause: Duration::from_millis(20),
+        max_per_run: 1_000_000,
+    }
+}
+
+async fn count(db: &TestDb, namespace: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM idempotency_records WHERE namespace = $1")
+        .bind(namespace)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn thousands_of_expired_records_are_deleted_in_batches_and_live_ones_stay() {
+    let db = TestDb::new().await;
+    insert_records(&db.pool, "expired", 5000, 60).await;
+    insert_records(&db.pool, "live", 300, -3600).await;
+
+    let report = reaper::reap_once(&db.pool, &limits(700)).await.unwrap();
+
+    let ReapReport::Reaped {
+        deleted, batches, ..
+    } = report
+    else {
+        panic!("{report:?}")
+    };
+    assert_eq!(deleted, 5000);
+    assert_eq!(batches, 8, "5000 rows in batches of 700");
+    assert_eq!(count(&db, "expired").await, 0);
+    assert_eq!(count(&db, "live").await, 300);
+}
+
+#[tokio::test]
+async fn a_run_stops_at_its_cap_and_the_next_run_continues() {
+    let db = TestDb::new().await;
+    insert_records(&db.pool, "expired", 1000, 60).await;
+    let capped = ReapLimits {
+        max_per_run: 600,
+        ..limits(250)
+    };
+
+    let first = reaper::reap_once(&db.pool, &capped).await.unwrap();
+    let second = reaper::reap_once(&db.pool, &capped).await.unwrap();
+
+    assert!(
+        matches!(first, ReapReport::Reaped { deleted: 600, .. }),
+        "{first:?}"
+    );
+    assert!(
+        matches!(second, ReapReport::Reaped { deleted: 400, .. }),
+        "{second:?}"
+    );
+    assert_eq!(count(&db, "expired").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_reapers_at_once_never_both_work_and_metrics_say_so() {
+    let db = TestDb::new().await;
+    insert_records(&db.pool, "expired", 3000, 60).await;
+    let metrics = telemetry::metrics_handle();
+    let before = metrics.render();
+    let counter = |page: &str, series: &str| metric_value(page, series).unwrap_or(0.0);
+    // Small batches with pauses keep the first run going while the second starts.
+    let slow = ReapLimits {
+        batch_pause: Duration::from_millis(100),
+        ..limits(300)
+    };
+
+    let (first, second) = tokio::join!(maintenance::reap(&db.pool, &slow), async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        maintenance::reap(&db.pool, &slow).await
+    });
+
+    let reports = [first.unwrap(), second.unwrap()];
+    let worked: Vec<_> = reports
+        .iter()
+        .filter(|r| matches!(r, ReapReport::Reaped { .. }))
+        .collect();
+    let skipped = reports
+        .iter()
+        .filter(|r| matches!(r, ReapReport::Skipped))
+        .count();
+    assert_eq!((worked.len(), skipped), (1, 1), "{reports:?}");
+    assert!(matches!(
+        worked[0],
+        ReapReport::Reaped { deleted: 3000, .. }
+    ));
+    let after = metrics.render();
+    let delta = |series: &str| counter(&after, series) - counter(&before, series);
+    assert_eq!(delta("idempotency_reaper_deleted_total"), 3000.0);
+    assert_eq!(
+        delta(r#"idempotency_reaper_runs_total{result="success"}"#),
+        1.0
+    );
+    assert_eq!(
+        delta(r#"idempotency_reaper_runs_total{result="skipped"}"#),
+        1.0
+    );
+    assert!(
+        metric_value(&after, "idempotency_reaper_last_success_timestamp_seconds").unwrap() > 1.7e9
+    );
+}
+
+#[tokio::test]
+async fn a_cut_short_run_releases_its_lock() {
+    let db = TestDb::new().await;
+    insert_records(&db.pool, "expired", 2000, 60).await;
+    let slow = ReapLimits {
+        batch_pause: Duration::from_secs(10),
+        ..limits(100)
+    };
+
+    // Abandon a run mid-way, as a shutdown would.
+    let abandoned = tokio::time::timeout(
+        Duration::from_millis(500),
+        reaper::reap_once(&db.pool, &slow),
+    )
+    .await;
+    assert!(abandoned.is_err());
+
+    // Its session ended with it, so the lock is free for the next run.
+    let next = reaper::reap_once(&db.pool, &limits(1000)).await.unwrap();
+    assert!(matches!(next, ReapReport::Reaped { .. }), "{next:?}");
+    assert_eq!(count(&db, "expired").await, 0);
+}
