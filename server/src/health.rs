@@ -11,6 +11,11 @@ use crate::{
     store::Store,
 };
 
+/// The health service name a liveness probe asks: SERVING for as long as the
+/// process runs, whatever the database does, so an outage takes replicas out
+/// of rotation (readiness, service "") without restarting them.
+pub const LIVENESS: &str = "liveness";
+
 /// Sets the overall ("") and the service's status together.
 pub async fn set(reporter: &HealthReporter, status: ServingStatus) {
     reporter.set_service_status("", status).await;

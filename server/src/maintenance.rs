@@ -107,10 +107,11 @@ pub async fn watch_table(pool: PgPool, interval: Duration) {
 
 /// Publishes the pool's connection counts every `interval` until aborted.
 pub async fn watch_pool(pool: PgPool, interval: Duration) {
-    metrics::gauge!(DB_POOL_MAX_CONNECTIONS).set(f64::from(pool.options().get_max_connections()));
     let mut ticker = tokio::time::interval(interval);
     loop {
         ticker.tick().await;
+        metrics::gauge!(DB_POOL_MAX_CONNECTIONS)
+            .set(f64::from(pool.options().get_max_connections()));
         let open = pool.size();
         let idle = u32::try_from(pool.num_idle()).unwrap_or(open);
         metrics::gauge!(DB_POOL_CONNECTIONS, "state" => "idle").set(f64::from(idle));

@@ -149,9 +149,15 @@ impl Application {
             config,
         } = self;
         let pool = store.pool().clone();
+        // Install the recorder before any task records: a metric recorded
+        // earlier goes nowhere.
+        let metrics = telemetry::metrics_handle();
 
         let (reporter, health_service) = tonic_health::server::health_reporter();
         health::set(&reporter, ServingStatus::NotServing).await;
+        reporter
+            .set_service_status(health::LIVENESS, ServingStatus::Serving)
+            .await;
         let watcher = tokio::spawn(health::watch_database(
             store.clone(),
             reporter.clone(),
@@ -168,10 +174,7 @@ impl Application {
             background.push(tokio::spawn(maintenance::run_reaper(pool.clone(), reaper)));
         }
         if let Some(listener) = metrics_listener {
-            background.push(tokio::spawn(serve_metrics(
-                listener,
-                telemetry::metrics_handle(),
-            )));
+            background.push(tokio::spawn(serve_metrics(listener, metrics)));
         }
         let background = BackgroundTasks(background);
 

@@ -73,6 +73,11 @@ async fn while_the_database_is_down_calls_are_unavailable_and_health_is_not_serv
         "no SQL in {status:?}"
     );
     wait_for_health(&mut health, ServingStatus::NotServing).await;
+    // Liveness stays SERVING: an outage must not get replicas restarted.
+    assert_eq!(
+        health_status(&mut health, "liveness").await,
+        ServingStatus::Serving
+    );
 
     proxy.restore().await;
 

@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# Checks everything under deploy/: the Helm chart, the alert rules and their
+# tests. Installs its tools first (scripts/install-deploy-tools.sh), so a fresh
+# machine needs no manual step. No cluster, no Docker, no helm binary needed.
+#
+# For the chart's default values and for every file in
+# deploy/helm/idempotency/ci/ (a "case"):
+#   - helm lint --strict                 (deploy/tools/helm.py, helm-python-sdk)
+#   - helm template, schema included     (same)
+#   - kubernetes-validate --strict -k $KUBE_VERSION on every rendered manifest,
+#     except the Prometheus Operator's CRD kinds (ServiceMonitor,
+#     PrometheusRule), for which it ships no schema: those are skipped by
+#     name and said so; the PrometheusRule's rules go through promtool instead
+#   - deploy/tools/check_manifests.py: how the manifests fit together
+# and once:
+#   - every value in values.yaml has a comment above it
+#   - the two copies of the alert rules are identical
+#   - the PrometheusRule rendered with default values has exactly those rules
+#   - promtool check rules, promtool test rules
+#   - alerts and dashboard query only metrics the service exports
+#
+# Prints one line per check and a summary; exits 1 when any check failed.
+# Work files go to target/deploy-check/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+KUBE_VERSION=${KUBE_VERSION:-1.31.0}
+CHART=deploy/helm/idempotency
+VENV=target/tools/venv
+PY=$VENV/bin/python
+OUT=target/deploy-check
+SKIPPED_KINDS="ServiceMonitor PrometheusRule"
+RELEASE=idempotency
+NAMESPACE=idempotency
+
+started=$(date +%s)
+passed=0
+failed=0
+failed_names=()
+
+# run NAME COMMAND...: runs a check, keeps its output in $OUT/logs, prints one line.
+run() {
+  local title=$1
+  shift
+  local log
+  log="$OUT/logs/$(printf '%02d' $((passed + failed + 1)))-$(echo "$title" | tr -c 'A-Za-z0-9._-' '_' | cut -c1-80).log"
+  local t0=$SECONDS
+  if "$@" >"$log" 2>&1; then
+    passed=$((passed + 1))
+    printf 'ok    %-92s %3ss\n' "$title" $((SECONDS - t0))
+  else
+    failed=$((failed + 1))
+    failed_names+=("$title")
+    printf 'FAIL  %-92s %3ss\n' "$title" $((SECONDS - t0))
+    sed 's/^/      | /' "$log" | tail -n 40
+    return 1
+  fi
+}
+
+scripts/install-deploy-tools.sh || { echo "FAIL  installing the tools (scripts/install-deploy-tools.sh)"; exit 1; }
+
+rm -rf "$OUT"
+mkdir -p "$OUT/logs"
+
+# kubernetes-validate on every rendered manifest but the CRD kinds; its
+# warnings (e.g. "no schema for this kind") count as failures.
+validate_case() {
+  local dir=$1 files=() file kind skipped=()
+  for file in "$dir"/*.yaml; do
+    kind=$(basename "$file" | cut -d- -f2)
+    case " $SKIPPED_KINDS " in
+      *" $kind "*) skipped+=("$(basename "$file")") ;;
+      *) files+=("$file") ;;
+    esac
+  done
+  for file in "${skipped[@]}"; do
+    echo "skipped (CRD kind, no built-in schema; checked by check_manifests.py and promtool): $file"
+  done
+  [ ${#files[@]} -gt 0 ] || { echo "no manifests to validate"; return 1; }
+  local output rc
+  output=$("$VENV/bin/kubernetes-validate" --strict -k "$KUBE_VERSION" "${files[@]}" 2>&1)
+  rc=$?
+  echo "$output"
+  [ $rc -eq 0 ] || return 1
+  if grep -qE '^(WARN|ERROR|FATAL)' <<<"$output"; then return 1; fi
+  echo "${#files[@]} manifests valid against Kubernetes $KUBE_VERSION (strict)"
+}
+
+run "values.yaml: a comment above every value" \
+  "$PY" deploy/tools/check_manifests.py values-doc "$CHART/values.yaml"
+
+cases=(default)
+for file in "$CHART"/ci/*.yaml; do
+  cases+=("$(basename "$file" .yaml)")
+done
+
+for case in "${cases[@]}"; do
+  values=()
+  [ "$case" = default ] || values=(-f "$CHART/ci/$case.yaml")
+  dir=$OUT/$case
+  run "helm lint --strict ($case)" \
+    "$PY" deploy/tools/helm.py lint "$CHART" "${values[@]}" -n "$NAMESPACE" --kube-version "v$KUBE_VERSION"
+  if run "helm template ($case)" \
+    "$PY" deploy/tools/helm.py template "$RELEASE" "$CHART" "${values[@]}" -n "$NAMESPACE" \
+    --split "$dir" --notes "$OUT/$case-NOTES.txt"; then
+    # helm template's combined output, for reading.
+    "$PY" deploy/tools/helm.py template "$RELEASE" "$CHART" "${values[@]}" -n "$NAMESPACE" >"$OUT/$case.yaml" 2>/dev/null
+    run "kubernetes-validate --strict -k $KUBE_VERSION ($case; skips $SKIPPED_KINDS)" validate_case "$dir"
+    rules_args=(--rules-out "$OUT/$case-rules.yaml")
+    [ "$case" = monitoring-values ] && rules_args+=(--expect-rules deploy/prometheus/alerts.yaml)
+    run "manifests fit together ($case)" \
+      "$PY" deploy/tools/check_manifests.py manifests "$dir" "${rules_args[@]}"
+    if [ -s "$OUT/$case-rules.yaml" ]; then
+      run "promtool check rules on the PrometheusRule ($case)" promtool check rules "$OUT/$case-rules.yaml"
+    fi
+  fi
+done
+
+same_rules() {
+  [ -f deploy/prometheus/alerts.yaml ] || { echo "deploy/prometheus/alerts.yaml is missing"; return 1; }
+  cmp deploy/prometheus/alerts.yaml "$CHART/files/alerts.yaml" &&
+    echo "deploy/prometheus/alerts.yaml and $CHART/files/alerts.yaml are identical"
+}
+run "alert rules: deploy/prometheus/alerts.yaml = $CHART/files/alerts.yaml" same_rules
+[ -s "$OUT/monitoring-values-rules.yaml" ] ||
+  run "PrometheusRule rendered with default values" false
+run "promtool check rules deploy/prometheus/alerts.yaml" promtool check rules deploy/prometheus/alerts.yaml
+run "promtool test rules deploy/prometheus/alerts_test.yaml" promtool test rules deploy/prometheus/alerts_test.yaml
+run "alerts and dashboard use only exported metrics" \
+  "$PY" deploy/tools/check_manifests.py catalogue deploy/prometheus/alerts.yaml "$CHART/files/dashboard.json"
+
+echo "took $(($(date +%s) - started))s; logs and rendered manifests in $OUT/"
+if [ "$failed" -gt 0 ]; then
+  printf 'failed: %s\n' "${failed_names[@]}"
+fi
+echo "check-deploy: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
