@@ -7,3 +7,9 @@ run:
 
 test:
 	PG_FSYNC=off scripts/with-postgres.sh scripts/test.sh
+
+# The service against hand-written SQL (pgbench) on one throwaway Postgres with
+# fsync on; BENCH_SECONDS, BENCH_REPEATS, BENCH_CONCURRENCY tune it (see the script).
+.PHONY: bench
+bench:
+	scripts/bench.sh

@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""Helpers of scripts/bench.sh: CPU accounting, one JSON line per measurement,
+and the summary (medians, table, results file). Standard library only.
+
+  report.py ticks POSTMASTER_PID SERVER_PID SHELL_PID
+  report.py pgbench SCENARIO C REP PREFIX BEFORE AFTER WAL_BYTES      >> raw.jsonl
+  report.py service SCENARIO C REP JSON BEFORE AFTER WAL_BYTES VMHWM  >> raw.jsonl
+  report.py progress RAW
+  report.py other BEFORE AFTER
+  report.py summary RAW OUT_PREFIX META_JSON
+"""
+
+import glob
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+
+
+def proc_times(pid):
+    """utime, stime, cutime, cstime (ticks) and the parent of a process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    rest = stat[stat.rindex(")") + 2 :].split()
+    # rest[0] is field 3 (state): field n is rest[n - 3].
+    return int(rest[1]), sum(int(x) for x in rest[11:15])
+
+
+def ticks(postmaster, server, shell):
+    """'busy total ours': machine CPU ticks, and those of this benchmark's
+    processes (Postgres and its exited backends, the server, and everything
+    this script ran and reaped: pgbench, the load generator, psql)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:9]]
+    total = sum(fields)
+    busy = total - fields[3] - fields[4]  # less idle and iowait
+    ours = 0
+    for pid in (postmaster, server, shell):
+        t = proc_times(pid)
+        ours += t[1] if t else 0
+    for path in glob.glob("/proc/[0-9]*/stat"):
+        pid = path.split("/")[2]
+        t = proc_times(pid)
+        if t and str(t[0]) == str(postmaster):
+            ours += t[1]
+    return busy, total, ours
+
+
+def cpu_fractions(before, after):
+    """(machine busy, busy with other work) as fractions of all cores."""
+    b0, t0, o0 = map(int, before.split())
+    b1, t1, o1 = map(int, after.split())
+    if t1 <= t0:
+        return None, None
+    busy = (b1 - b0) / (t1 - t0)
+    other = max(0.0, ((b1 - b0) - (o1 - o0)) / (t1 - t0))
+    return round(busy, 3), round(other, 3)
+
+
+def pgbench_record(scenario, c, rep, prefix, before, after, wal):
+    out = open(prefix + ".out").read()
+    tps = float(re.search(r"tps = ([0-9.]+) \(without initial connection time\)", out).group(1))
+    processed = int(re.search(r"number of transactions actually processed: (\d+)", out).group(1))
+    failed = re.search(r"number of failed transactions: (\d+)", out)
+    lat = []
+    for path in glob.glob(prefix + ".[0-9]*"):
+        with open(path) as f:
+            for line in f:
+                # client_id transaction_no time_us script_no epoch epoch_us;
+                # time_us is the whole script: both statements of a pair.
+                fields = line.split()
+                if len(fields) >= 3 and fields[2].isdigit():
+                    lat.append(int(fields[2]))
+    lat.sort()
+
+    def q(p):
+        return lat[min(len(lat) - 1, int(p * len(lat)))] if lat else None
+
+    busy, other = cpu_fractions(before, after)
+    return {
+        "tool": "pgbench", "scenario": scenario, "concurrency": int(c), "rep": int(rep),
+        "ops_per_sec": tps, "ops": processed,
+        "errors_total": int(failed.group(1)) if failed else 0,
+        "latency_us": {"p50": q(0.50), "p90": q(0.90), "p99": q(0.99), "p999": q(0.999),
+                       "max": lat[-1] if lat else None},
+        "machine_cpu_busy": busy, "other_cpu_busy": other,
+        "wal_bytes": int(wal),
+        "wal_bytes_per_op": round(int(wal) / processed) if processed else None,
+    }
+
+
+def service_record(scenario, c, rep, path, before, after, wal, vmhwm):
+    r = json.load(open(path))
+    # WAL and the other load were sampled around the whole invocation, warm-up
+    # included; the load generator's own CPU figures cover the timed part only.
+    calls = r["ops"] + r["warmup_ops"] + r["errors_total"]
+    _, other = cpu_fractions(before, after)
+    r.update({
+        "tool": "service", "scenario": scenario, "concurrency": int(c), "rep": int(rep),
+        "other_cpu_busy": other, "server_vmhwm_kb": int(vmhwm), "wal_bytes": int(wal),
+        "wal_bytes_per_op": round(int(wal) / calls) if calls else None,
+    })
+    return r
+
+
+def progress(raw):
+    r = json.loads(open(raw).read().splitlines()[-1])
+    lat = r["latency_us"]
+    line = "bench:   %-8s %-8s c=%-3d rep %d: %9.1f/s  p50 %6.2f ms  p99 %6.2f ms  other load %3.0f %%" % (
+        r["tool"], r["scenario"], r["concurrency"], r["rep"], r["ops_per_sec"],
+        (lat["p50"] or 0) / 1000, (lat["p99"] or 0) / 1000, 100 * (r.get("other_cpu_busy") or 0))
+    if r.get("errors_total"):
+        line += "  errors %d" % r["errors_total"]
+    print(line, file=sys.stderr)
+
+
+def cpu_model():
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def mem_gib():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 1048576, 1)
+    return None
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summary(raw, out, meta_json):
+    meta = json.loads(meta_json)
+    runs = [json.loads(line) for line in open(raw)]
+    order = []
+    for r in runs:
+        if (r["scenario"], r["concurrency"]) not in order:
+            order.append((r["scenario"], r["concurrency"]))
+    results = []
+    for scenario, c in order:
+        entry = {"scenario": scenario, "concurrency": c}
+        for tool in ("pgbench", "service"):
+            rs = [r for r in runs
+                  if r["tool"] == tool and r["scenario"] == scenario and r["concurrency"] == c]
+            s = {
+                "ops_per_sec": median([r["ops_per_sec"] for r in rs]),
+                "p50_us": median([r["latency_us"]["p50"] for r in rs]),
+                "p99_us": median([r["latency_us"]["p99"] for r in rs]),
+                "p999_us": median([r["latency_us"]["p999"] for r in rs]),
+                "machine_cpu_busy": median([r.get("machine_cpu_busy") for r in rs]),
+                # All the CPU the machine spent per operation: Postgres, the
+                # server, pgbench or the load generator, the kernel.
+                "machine_cpu_us_per_op": median([
+                    round(r["machine_cpu_busy"] * os.cpu_count() * 1e6 / r["ops_per_sec"])
+                    for r in rs if r.get("machine_cpu_busy") is not None and r["ops_per_sec"]]),
+                "other_cpu_busy": median([r.get("other_cpu_busy") for r in rs]),
+                "wal_bytes_per_op": median([r.get("wal_bytes_per_op") for r in rs]),
+                "errors_total": sum(r.get("errors_total") or 0 for r in rs),
+                "runs": rs,
+            }
+            if tool == "service":
+                s["acquire_p50_us"] = median([r["acquire_latency_us"]["p50"] for r in rs])
+                s["acquire_p99_us"] = median([r["acquire_latency_us"]["p99"] for r in rs])
+                s["server_cpu_seconds"] = median([r.get("server_cpu_seconds") for r in rs])
+                s["client_cpu_seconds"] = median([r.get("client_cpu_seconds") for r in rs])
+                per_op = [r["server_cpu_seconds"] * 1e6 / r["ops"]
+                          for r in rs if r.get("server_cpu_seconds") is not None and r["ops"]]
+                s["server_cpu_us_per_op"] = round(median(per_op), 1) if per_op else None
+                s["server_vmhwm_kb"] = max(r["server_vmhwm_kb"] for r in rs)
+            entry[tool] = s
+        p, sv = entry["pgbench"]["ops_per_sec"], entry["service"]["ops_per_sec"]
+        entry["ratio_service_to_pgbench"] = round(sv / p, 3) if p and sv else None
+        results.append(entry)
+
+    doc = {
+        "baseline": "before batching",
+        **meta,
+        "machine": {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "memory_gib": mem_gib(),
+                    "kernel": platform.release()},
+        "results": results,
+    }
+    with open(out + ".json", "w") as f:
+        json.dump(doc, f, indent=2)
+
+    def ms(us):
+        return "-" if us is None else f"{us / 1000:.2f}"
+
+    def num(x):
+        return "-" if x is None else f"{x:,.0f}"
+
+    def pct(x):
+        return "-" if x is None else f"{x * 100:.0f}"
+
+    lines = [
+        "| scenario | conc. | pgbench /s | service /s | service / pgbench "
+        "| p50 / p99 ms, pgbench | p50 / p99 ms, service | server CPU s (µs/op) "
+        "| server peak RSS MiB | machine CPU µs/op, pgbench / service "
+        "| WAL bytes/op, pgbench / service | other load %, pgbench / service |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for e in results:
+        p, s = e["pgbench"], e["service"]
+        ratio = "-" if e["ratio_service_to_pgbench"] is None else f"{e['ratio_service_to_pgbench']:.2f}"
+        cpu = "-"
+        if s["server_cpu_seconds"] is not None:
+            cpu = f"{s['server_cpu_seconds']:.2f} ({num(s['server_cpu_us_per_op'])})"
+        unit = "pairs" if e["scenario"] == "new-keys" else "reads"
+        lines.append(
+            f"| {e['scenario']} ({unit}) | {e['concurrency']} | {num(p['ops_per_sec'])} "
+            f"| {num(s['ops_per_sec'])} | {ratio} | {ms(p['p50_us'])} / {ms(p['p99_us'])} "
+            f"| {ms(s['p50_us'])} / {ms(s['p99_us'])} | {cpu} | {s['server_vmhwm_kb'] / 1024:.0f} "
+            f"| {num(p['machine_cpu_us_per_op'])} / {num(s['machine_cpu_us_per_op'])} "
+            f"| {num(p['wal_bytes_per_op'])} / {num(s['wal_bytes_per_op'])} "
+            f"| {pct(p['other_cpu_busy'])} / {pct(s['other_cpu_busy'])} |")
+    errors = sum(e["pgbench"]["errors_total"] + e["service"]["errors_total"] for e in results)
+    pg = meta["postgres"]
+    lines.append("")
+    lines.append(
+        f"Medians of {meta['settings']['repeats']} x {meta['settings']['seconds']} s; errors: {errors}; "
+        f"Postgres {pg['version']}, fsync={pg['fsync']}, synchronous_commit={pg['synchronous_commit']}; "
+        f"{os.cpu_count()} CPUs ({cpu_model()}); server at {meta.get('git_commit', '?')}.")
+    table = "\n".join(lines)
+    with open(out + ".md", "w") as f:
+        f.write(table + "\n")
+    print()
+    print(table)
+    print()
+    print(f"results: {out}.json and {out}.md")
+
+
+def main(argv):
+    command, args = argv[1], argv[2:]
+    if command == "ticks":
+        print(*ticks(*args))
+    elif command == "other":
+        print(cpu_fractions(*args)[1])
+    elif command == "pgbench":
+        print(json.dumps(pgbench_record(*args)))
+    elif command == "service":
+        print(json.dumps(service_record(*args)))
+    elif command == "progress":
+        progress(*args)
+    elif command == "summary":
+        summary(*args)
+    else:
+        sys.exit(f"report.py: unknown command {command!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv)

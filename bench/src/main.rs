@@ -1,0 +1,512 @@
+//! `idempotency-bench`: a bounded load generator for the idempotency service.
+//!
+//! Scenarios:
+//! - `new-keys`: Acquire a fresh (random) key, then Complete it (one "pair" per operation);
+//! - `replay`: Acquire keys completed beforehand (round-robin), expecting a replay;
+//! - `contention`: many callers on a few hot keys; the winner completes;
+//! - `mixed`: new keys and replays by `--mix`.
+//!
+//! Every call is made once (no retries), so errors are counted, not hidden.
+//! It stops by itself after `--duration` or `--count` operations.
+
+mod stats;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::{Context, bail};
+use clap::{Parser, ValueEnum};
+use idempotency_client::{
+    AcquireRequest, Acquisition, Client, Error, RecordId, RetryPolicy, StoredResponse,
+};
+use serde_json::json;
+use stats::{
+    Stats, busy_fraction, machine_cpu_ticks, percentiles, percentiles_line, process_cpu_seconds,
+};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Scenario {
+    /// Acquire a fresh key, then Complete it.
+    NewKeys,
+    /// Acquire keys completed beforehand, expecting a replay.
+    Replay,
+    /// Many callers on a few hot keys.
+    Contention,
+    /// New keys and replays by --mix.
+    Mixed,
+}
+
+impl Scenario {
+    fn name(self) -> &'static str {
+        match self {
+            Scenario::NewKeys => "new-keys",
+            Scenario::Replay => "replay",
+            Scenario::Contention => "contention",
+            Scenario::Mixed => "mixed",
+        }
+    }
+}
+
+/// `new:replay` weights, e.g. `80:20`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Mix {
+    new: u32,
+    replay: u32,
+}
+
+fn parse_mix(text: &str) -> Result<Mix, String> {
+    let (new, replay) = text
+        .split_once(':')
+        .ok_or_else(|| format!("{text:?}: expected new:replay, e.g. 80:20"))?;
+    let parse = |part: &str| {
+        part.trim()
+            .parse::<u32>()
+            .map_err(|error| format!("{part:?}: {error}"))
+    };
+    let mix = Mix {
+        new: parse(new)?,
+        replay: parse(replay)?,
+    };
+    if mix.new.checked_add(mix.replay).unwrap_or(0) == 0 {
+        return Err("the mix needs a positive total".into());
+    }
+    Ok(mix)
+}
+
+/// Load generator for the idempotency service.
+#[derive(Debug, Parser)]
+#[command(name = "idempotency-bench", version, about)]
+struct Cli {
+    /// The service's gRPC endpoint.
+    #[arg(long, default_value = "http://127.0.0.1:50051")]
+    endpoint: String,
+    /// What each operation does.
+    #[arg(long, value_enum, default_value_t = Scenario::NewKeys)]
+    scenario: Scenario,
+    /// Operations in flight at once (one task each, one operation after another).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    concurrency: u64,
+    /// How long the timed part runs (after the warm-up).
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    duration: Duration,
+    /// Run this many timed operations instead of a duration.
+    #[arg(long, conflicts_with = "duration", value_parser = clap::value_parser!(u64).range(1..))]
+    count: Option<u64>,
+    /// How long to run before the timed part, not counted (connections, pools, caches).
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    warmup: Duration,
+    /// Body size of each stored response.
+    #[arg(long, default_value_t = 256)]
+    payload_bytes: usize,
+    /// gRPC (HTTP/2) connections; the tasks share them round-robin.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    connections: u64,
+    /// contention: number of hot keys (default 4); replay and mixed: number of
+    /// keys completed before the timed part (default 1000).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    keys: Option<u64>,
+    /// mixed: weights of new keys and replays.
+    #[arg(long, default_value = "80:20", value_parser = parse_mix)]
+    mix: Mix,
+    /// contention: the hot keys get new names this often, so callers keep
+    /// racing for fresh keys instead of only replaying (0s: never).
+    #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
+    rotate_every: Duration,
+    /// replay and mixed: name the prepared keys `r-<prefix>-<i>` instead of
+    /// with a prefix unique to this run, so that later runs can reuse them.
+    #[arg(long)]
+    key_prefix: Option<String>,
+    /// replay and mixed: the keys of --key-prefix were completed by an
+    /// earlier run; do not prepare them (nothing is written before the timed part).
+    #[arg(long, requires = "key_prefix")]
+    skip_prepare: bool,
+    /// Deadline of each call.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    timeout: Duration,
+    /// Namespace of the keys.
+    #[arg(long, default_value = "bench")]
+    namespace: String,
+    /// Also report the CPU seconds this process (the server, on this
+    /// machine) used during the timed part, from /proc/<pid>/stat.
+    #[arg(long)]
+    server_pid: Option<u32>,
+    /// Print one JSON object instead of the text report.
+    #[arg(long)]
+    json: bool,
+}
+
+/// What every worker shares.
+struct Plan {
+    scenario: Scenario,
+    concurrency: u64,
+    clients: Vec<Client>,
+    namespace: String,
+    /// Distinguishes this run's keys from any earlier run's.
+    run: String,
+    fingerprint: Vec<u8>,
+    response: StoredResponse,
+    replay_keys: Vec<RecordId>,
+    hot_keys: u64,
+    rotate_every: Duration,
+    mix: Mix,
+    started: Instant,
+    measure_from: Instant,
+    /// Duration mode: no operation starts at or after this.
+    measure_until: Option<Instant>,
+    /// Count mode: timed operations left to hand out.
+    tickets: Option<AtomicU64>,
+}
+
+const OPERATION: &str = "POST /bench";
+const SUBJECT: &str = "bench-subject";
+
+impl Plan {
+    fn id(&self, key: String) -> RecordId {
+        RecordId::new(self.namespace.clone(), OPERATION, key).with_subject(SUBJECT)
+    }
+
+    /// False once the timed part is over.
+    fn may_start(&self, now: Instant) -> bool {
+        if now < self.measure_from {
+            return true;
+        }
+        match (&self.tickets, self.measure_until) {
+            (Some(tickets), _) => tickets
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| {
+                    left.checked_sub(1)
+                })
+                .is_ok(),
+            (None, Some(until)) => now < until,
+            (None, None) => false,
+        }
+    }
+}
+
+fn outcome_name(acquisition: &Acquisition) -> &'static str {
+    match acquisition {
+        Acquisition::Proceed(_) => "acquired",
+        Acquisition::InProgress { .. } => "in_progress",
+        Acquisition::Replay(_) => "replay",
+        Acquisition::Failed(_) => "failed",
+        Acquisition::FingerprintMismatch => "fingerprint_mismatch",
+    }
+}
+
+/// The outcome and the Acquire latency of one operation that got an answer.
+type OpResult = Result<(&'static str, Duration), (&'static str, Error)>;
+
+/// Acquire, and Complete at once when granted.
+async fn acquire_and_complete(plan: &Plan, client: &Client, id: RecordId) -> OpResult {
+    let request = AcquireRequest::new(id, plan.fingerprint.clone());
+    let started = Instant::now();
+    let acquisition = client
+        .acquire(&request)
+        .await
+        .map_err(|error| ("acquire", error))?;
+    let acquire_latency = started.elapsed();
+    let outcome = outcome_name(&acquisition);
+    if let Acquisition::Proceed(mut lease) = acquisition {
+        lease
+            .complete(&plan.response)
+            .await
+            .map_err(|error| ("complete", error))?;
+    }
+    Ok((outcome, acquire_latency))
+}
+
+async fn worker(plan: Arc<Plan>, index: u64) -> Stats {
+    let client = &plan.clients[(index % plan.clients.len() as u64) as usize];
+    let mut stats = Stats::default();
+    // Each worker starts the round-robin over the replay keys at its own place.
+    let replay_count = plan.replay_keys.len().max(1) as u64;
+    let mut replay_next = index * replay_count / plan.concurrency;
+    let mut rng = fastrand::Rng::with_seed(index ^ 0x9e37_79b9_7f4a_7c15);
+    loop {
+        let started = Instant::now();
+        if !plan.may_start(started) {
+            break;
+        }
+        let scenario = match plan.scenario {
+            Scenario::Mixed => {
+                if rng.u32(0..plan.mix.new + plan.mix.replay) < plan.mix.new {
+                    Scenario::NewKeys
+                } else {
+                    Scenario::Replay
+                }
+            }
+            other => other,
+        };
+        let result = match scenario {
+            Scenario::NewKeys => {
+                // Random within the worker's range, like pgbench's keys and
+                // like real UUID keys: inserts land all over the index.
+                let id = plan.id(format!("n-{}-{index}-{:016x}", plan.run, rng.u64(..)));
+                acquire_and_complete(&plan, client, id).await
+            }
+            Scenario::Replay => {
+                let id = plan.replay_keys[(replay_next % replay_count) as usize].clone();
+                replay_next += 1;
+                acquire_and_complete(&plan, client, id).await
+            }
+            Scenario::Contention => {
+                let epoch = if plan.rotate_every.is_zero() {
+                    0
+                } else {
+                    started.duration_since(plan.started).as_nanos() / plan.rotate_every.as_nanos()
+                };
+                let slot = rng.u64(0..plan.hot_keys);
+                let id = plan.id(format!("hot-{}-{slot}-{epoch}", plan.run));
+                acquire_and_complete(&plan, client, id).await
+            }
+            Scenario::Mixed => unreachable!("resolved above"),
+        };
+        if started < plan.measure_from {
+            stats.warmup_ops += 1; // not measured
+            continue;
+        }
+        match result {
+            Ok((outcome, acquire_latency)) => {
+                stats.record_op(outcome, started.elapsed(), acquire_latency)
+            }
+            Err((rpc, error)) => stats.record_error(rpc, &error),
+        }
+    }
+    stats
+}
+
+/// The keys replay and mixed read.
+fn replay_ids(namespace: &str, prefix: &str, count: u64) -> Vec<RecordId> {
+    (0..count)
+        .map(|i| {
+            RecordId::new(namespace, OPERATION, format!("r-{prefix}-{i}")).with_subject(SUBJECT)
+        })
+        .collect()
+}
+
+/// Completes the keys before the timed part, for replay and mixed; keys
+/// already completed (by an earlier run) are fine.
+async fn prepare_replay_keys(
+    clients: &[Client],
+    ids: Vec<RecordId>,
+    fingerprint: &[u8],
+    response: &StoredResponse,
+) -> anyhow::Result<Vec<RecordId>> {
+    let ids = Arc::new(ids);
+    let tasks = 32u64.min(ids.len() as u64);
+    let mut handles = Vec::new();
+    for task in 0..tasks {
+        let ids = ids.clone();
+        let client = clients[(task % clients.len() as u64) as usize].clone();
+        let fingerprint = fingerprint.to_vec();
+        let response = response.clone();
+        handles.push(tokio::spawn(async move {
+            for id in ids.iter().skip(task as usize).step_by(tasks as usize) {
+                let request = AcquireRequest::new(id.clone(), fingerprint.clone());
+                match client.acquire(&request).await? {
+                    Acquisition::Proceed(mut lease) => lease.complete(&response).await?,
+                    Acquisition::Replay(_) => {}
+                    other => anyhow::bail!("preparing {}: {}", id.key, outcome_name(&other)),
+                }
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for handle in handles {
+        handle.await??;
+    }
+    Ok(Arc::try_unwrap(ids).unwrap_or_else(|ids| (*ids).clone()))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    if cli.scenario == Scenario::Contention && cli.concurrency < 2 {
+        eprintln!("idempotency-bench: contention with one caller never contends");
+    }
+    if cli.duration.is_zero() && cli.count.is_none() {
+        bail!("--duration must be positive");
+    }
+
+    let mut clients = Vec::new();
+    for _ in 0..cli.connections {
+        // One builder per connection: each gets its own channel, so its own
+        // HTTP/2 connection (one channel multiplexes every call on one).
+        let client = Client::builder()
+            .endpoint(cli.endpoint.clone())
+            .timeout(cli.timeout)
+            .retry(RetryPolicy::none())
+            .connect()
+            .await
+            .with_context(|| format!("connecting to {}", cli.endpoint))?;
+        clients.push(client);
+    }
+
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    let run = format!("{:x}{:x}", nanos, std::process::id());
+    // A SHA-256-sized fingerprint, as a real caller sends.
+    let fingerprint: Vec<u8> = (0u8..32).collect();
+    // No headers: the pgbench scripts store '{}' too.
+    let response = StoredResponse::new(201, vec![b'x'; cli.payload_bytes]);
+
+    let keys = cli.keys.unwrap_or(match cli.scenario {
+        Scenario::Contention => 4,
+        _ => 1000,
+    });
+    let key_prefix = cli.key_prefix.clone().unwrap_or_else(|| run.clone());
+    let replay_keys = match cli.scenario {
+        Scenario::Replay | Scenario::Mixed if cli.skip_prepare => {
+            replay_ids(&cli.namespace, &key_prefix, keys)
+        }
+        Scenario::Replay | Scenario::Mixed => {
+            prepare_replay_keys(
+                &clients,
+                replay_ids(&cli.namespace, &key_prefix, keys),
+                &fingerprint,
+                &response,
+            )
+            .await?
+        }
+        _ => Vec::new(),
+    };
+
+    let started = Instant::now();
+    let measure_from = started + cli.warmup;
+    let plan = Arc::new(Plan {
+        scenario: cli.scenario,
+        concurrency: cli.concurrency,
+        clients,
+        namespace: cli.namespace.clone(),
+        run,
+        fingerprint,
+        response,
+        replay_keys,
+        hot_keys: keys,
+        rotate_every: cli.rotate_every,
+        mix: cli.mix,
+        started,
+        measure_from,
+        measure_until: cli.count.is_none().then(|| measure_from + cli.duration),
+        tickets: cli.count.map(AtomicU64::new),
+    });
+
+    let handles: Vec<_> = (0..cli.concurrency)
+        .map(|index| {
+            let plan = plan.clone();
+            tokio::spawn(async move {
+                let stats = worker(plan, index).await;
+                (stats, Instant::now())
+            })
+        })
+        .collect();
+    tokio::time::sleep_until(measure_from.into()).await;
+    let server_pid = cli.server_pid.map(|pid| pid.to_string());
+    let sample = || {
+        (
+            process_cpu_seconds("self"),
+            server_pid.as_deref().and_then(process_cpu_seconds),
+            machine_cpu_ticks(),
+        )
+    };
+    let (client_cpu_before, server_cpu_before, machine_before) = sample();
+
+    let mut total = Stats::default();
+    let mut finished = measure_from;
+    for handle in handles {
+        let (stats, done) = handle.await.context("a worker panicked")?;
+        total.merge(stats);
+        finished = finished.max(done);
+    }
+    let seconds = finished.duration_since(measure_from).as_secs_f64();
+    let (client_cpu_after, server_cpu_after, machine_after) = sample();
+    let delta = |before: Option<f64>, after: Option<f64>| match (before, after) {
+        (Some(before), Some(after)) => Some(((after - before) * 100.0).round() / 100.0),
+        _ => None,
+    };
+    let client_cpu = delta(client_cpu_before, client_cpu_after);
+    let server_cpu = delta(server_cpu_before, server_cpu_after);
+    let machine_busy =
+        busy_fraction(machine_before, machine_after).map(|b| (b * 1000.0).round() / 1000.0);
+    let ops_per_sec = if seconds > 0.0 {
+        total.ops as f64 / seconds
+    } else {
+        0.0
+    };
+
+    if cli.json {
+        let report = json!({
+            "scenario": cli.scenario.name(),
+            "endpoint": cli.endpoint,
+            "concurrency": cli.concurrency,
+            "connections": cli.connections,
+            "payload_bytes": cli.payload_bytes,
+            "keys": keys,
+            "mix": format!("{}:{}", cli.mix.new, cli.mix.replay),
+            "warmup_seconds": cli.warmup.as_secs_f64(),
+            "warmup_ops": total.warmup_ops,
+            "ops": total.ops,
+            "errors_total": total.errors_total(),
+            "seconds": (seconds * 1000.0).round() / 1000.0,
+            "ops_per_sec": (ops_per_sec * 10.0).round() / 10.0,
+            "latency_us": percentiles(&total.latency),
+            "acquire_latency_us": percentiles(&total.acquire_latency),
+            "outcomes": total.outcomes,
+            "errors": total.errors,
+            "client_cpu_seconds": client_cpu,
+            "server_cpu_seconds": server_cpu,
+            "machine_cpu_busy": machine_busy,
+        });
+        println!("{report}");
+    } else {
+        println!(
+            "{} at concurrency {} over {} connection(s): {} ops in {:.2} s = {:.1} ops/s",
+            cli.scenario.name(),
+            cli.concurrency,
+            cli.connections,
+            total.ops,
+            seconds,
+            ops_per_sec
+        );
+        println!("latency (operation): {}", percentiles_line(&total.latency));
+        println!(
+            "latency (Acquire):   {}",
+            percentiles_line(&total.acquire_latency)
+        );
+        let outcomes: Vec<String> = total
+            .outcomes
+            .iter()
+            .map(|(outcome, n)| format!("{outcome}={n}"))
+            .collect();
+        println!("outcomes: {}", outcomes.join(" "));
+        if total.errors.is_empty() {
+            println!("errors: none");
+        } else {
+            let errors: Vec<String> = total
+                .errors
+                .iter()
+                .map(|(code, n)| format!("{code}={n}"))
+                .collect();
+            println!("errors: {}", errors.join(" "));
+        }
+        if let Some(cpu) = client_cpu {
+            println!("load generator CPU: {cpu:.2} s");
+        }
+        if let Some(cpu) = server_cpu {
+            println!("server CPU: {cpu:.2} s");
+        }
+        if let Some(busy) = machine_busy {
+            println!("machine CPU busy: {:.1} %", busy * 100.0);
+        }
+    }
+    for (code, message) in &total.error_samples {
+        eprintln!("idempotency-bench: first {code}: {message}");
+    }
+    Ok(())
+}

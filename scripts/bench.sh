@@ -1,0 +1,212 @@
+#!/usr/bin/env bash
+# `make bench`: the service against hand-written SQL on the same table and the
+# same Postgres, at production durability (fsync=on, synchronous_commit=on).
+#
+# In one run, for each concurrency C in BENCH_CONCURRENCY (default "1 16 64"):
+#   new keys: pgbench bench/pgbench/new_key_pair.sql (INSERT ... ON CONFLICT DO
+#             NOTHING, then UPDATE to completed: one "pair") against
+#             idempotency-bench --scenario new-keys (Acquire, then Complete);
+#   replay:   pgbench bench/pgbench/replay.sql (a primary-key SELECT) against
+#             idempotency-bench --scenario replay (Acquire of a completed key).
+# Each measurement runs BENCH_SECONDS (default 10) and is repeated
+# BENCH_REPEATS times (default 3), pgbench and service interleaved; the table
+# shows medians. Results: target/bench/results-<timestamp>.{json,md}.
+#
+# Other knobs: BENCH_WARMUP (service only, default 2s), BENCH_PAYLOAD_BYTES
+# (256), BENCH_KEYS (replay keys, 1000), BENCH_CONNECTIONS (gRPC, 4), and
+# BENCH_WAIT_QUIET=N: before each measurement, wait up to N seconds until
+# other work on the machine (builds, tests) uses under 15 % of the CPUs
+# (default 0: measure at once; the "other load" column shows what it was).
+#
+# Always a throwaway cluster (DATABASE_URL is ignored: the run writes about a
+# million rows). Everything listens on 127.0.0.1 only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf 'bench: %s\n' "$*" >&2; }
+
+if [ -z "${BENCH_INNER:-}" ]; then
+  command -v python3 >/dev/null || { say "python3 is needed for the percentiles and the table"; exit 1; }
+  started=$(date +%s)
+  say "building release binaries"
+  cargo build --release --locked --bin idempotencyd -p idempotency-server
+  cargo build --release --locked --bin idempotency-bench -p idempotency-bench
+  status=0
+  env -u DATABASE_URL BENCH_INNER=1 PG_FSYNC=on scripts/with-postgres.sh "$0" "$@" || status=$?
+  say "make bench took $(($(date +%s) - started)) s"
+  exit "$status"
+fi
+
+# ---- inside scripts/with-postgres.sh: DATABASE_URL is the throwaway cluster ----
+
+seconds=${BENCH_SECONDS:-10}
+repeats=${BENCH_REPEATS:-3}
+concurrencies=${BENCH_CONCURRENCY:-1 16 64}
+warmup=${BENCH_WARMUP:-2s}
+payload=${BENCH_PAYLOAD_BYTES:-256}
+keys=${BENCH_KEYS:-1000}
+connections=${BENCH_CONNECTIONS:-4}
+wait_quiet=${BENCH_WAIT_QUIET:-0}
+server_bin=target/release/idempotencyd
+bench_bin=target/release/idempotency-bench
+report() { python3 bench/report.py "$@"; }
+
+pg_bin=$(dirname "$(command -v pg_ctl 2>/dev/null || ls -d /usr/lib/postgresql/*/bin/pg_ctl | sort -V | tail -n 1)")
+pgbench=$(command -v pgbench 2>/dev/null || echo "$pg_bin/pgbench")
+psql=$(command -v psql 2>/dev/null || echo "$pg_bin/psql")
+sql() { "$psql" -X -q -A -t -v ON_ERROR_STOP=1 "$DATABASE_URL" -c "$1"; }
+
+stamp=$(date -u +%Y%m%dT%H%M%SZ)
+out_dir=target/bench
+mkdir -p "$out_dir"
+work=$(mktemp -d "${TMPDIR:-/tmp}/idempotency-bench.XXXXXX")
+raw="$work/raw.jsonl"
+: >"$raw"
+
+server_pid=
+cleanup() {
+  if [ -n "$server_pid" ] && kill -0 "$server_pid" 2>/dev/null; then
+    kill -TERM "$server_pid" 2>/dev/null || true
+    for _ in $(seq 50); do kill -0 "$server_pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$server_pid" 2>/dev/null || true
+    wait "$server_pid" 2>/dev/null || true
+  fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# Production durability, checked rather than assumed.
+fsync=$(sql "SHOW fsync")
+sync_commit=$(sql "SHOW synchronous_commit")
+say "fsync=$fsync synchronous_commit=$sync_commit wal_sync_method=$(sql 'SHOW wal_sync_method')" \
+  "shared_buffers=$(sql 'SHOW shared_buffers') max_connections=$(sql 'SHOW max_connections')"
+if [ "$fsync" != on ] || [ "$sync_commit" != on ]; then
+  say "refusing to measure without fsync=on and synchronous_commit=on"
+  exit 1
+fi
+pg_version=$(sql "SHOW server_version")
+postmaster_pid=$(head -n 1 "$(sql 'SHOW data_directory')/postmaster.pid")
+
+"$server_bin" migrate >"$work/migrate.log" 2>&1 || { cat "$work/migrate.log" >&2; exit 1; }
+
+# The keys pgbench's replay.sql reads, stored the way the service stores them.
+sql "INSERT INTO idempotency_records
+       (namespace, operation, subject, key, state, fingerprint, fencing_token, created_at,
+        expires_at, lease_expires_at, completed_at, response_status, response_body, response_headers)
+     SELECT 'bench', 'POST /bench', 'pgbench', 'replay-' || i, 'completed',
+            '\\x000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f'::bytea, 1, now(),
+            now() + interval '24 hours', NULL, now(), 201, convert_to(repeat('x', $payload), 'UTF8'), '{}'
+     FROM generate_series(1, $keys) AS i
+     ON CONFLICT DO NOTHING"
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+grpc_port=$(free_port)
+metrics_port=$(free_port)
+while [ "$metrics_port" = "$grpc_port" ]; do metrics_port=$(free_port); done
+
+"$server_bin" serve --grpc-addr "127.0.0.1:$grpc_port" --metrics-addr "127.0.0.1:$metrics_port" \
+  --reaper-enabled false --drain-timeout 5s >"$work/server.log" 2>&1 &
+server_pid=$!
+for _ in $(seq 100); do
+  kill -0 "$server_pid" 2>/dev/null || { say "the server exited; its log:"; cat "$work/server.log" >&2; exit 1; }
+  (exec 3<>"/dev/tcp/127.0.0.1/$grpc_port") 2>/dev/null && break
+  sleep 0.1
+done
+endpoint="http://127.0.0.1:$grpc_port"
+say "idempotencyd (pid $server_pid, release) on $endpoint; db pool and other settings at their defaults"
+
+ticks() { report ticks "$postmaster_pid" "$server_pid" "$$"; }
+vmhwm_kb() { awk '/^VmHWM:/ { print $2 }' "/proc/$server_pid/status"; }
+wal_lsn() { sql "SELECT pg_current_wal_insert_lsn()"; }
+wal_since() { sql "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '$1')::bigint"; }
+
+# Before each measurement: a checkpoint (none falls due mid-run), then, with
+# BENCH_WAIT_QUIET, a wait for other work on the machine to calm down.
+settle() {
+  sql "CHECKPOINT" >/dev/null
+  [ "$wait_quiet" -gt 0 ] || return 0
+  local waited=0 before other
+  while :; do
+    before=$(ticks); sleep 2
+    other=$(report other "$before" "$(ticks)")
+    python3 -c "import sys; sys.exit(0 if $other < 0.15 else 1)" && return 0
+    [ "$waited" -ge "$wait_quiet" ] && { say "still $other of the CPUs busy with other work; measuring anyway"; return 0; }
+    [ "$waited" = 0 ] && say "other work uses $other of the CPUs; waiting up to ${wait_quiet}s"
+    waited=$((waited + 2))
+  done
+}
+
+run_pgbench() { # scenario script concurrency rep extra-args...
+  local scenario=$1 script=$2 c=$3 rep=$4
+  shift 4
+  local prefix="$work/pgb-$scenario-$c-$rep" before lsn
+  settle
+  lsn=$(wal_lsn)
+  before=$(ticks)
+  "$pgbench" -M prepared -n -c "$c" -j 2 -T "$seconds" -f "$script" "$@" \
+    --log --log-prefix="$prefix" "$DATABASE_URL" >"$prefix.out" 2>"$prefix.err" ||
+    { cat "$prefix.out" "$prefix.err" >&2; exit 1; }
+  report pgbench "$scenario" "$c" "$rep" "$prefix" "$before" "$(ticks)" "$(wal_since "$lsn")" >>"$raw"
+  rm -f "$prefix".*
+  report progress "$raw"
+}
+
+run_service() { # scenario concurrency rep extra-args...
+  local scenario=$1 c=$2 rep=$3
+  shift 3
+  local conns=$((c < connections ? c : connections)) before lsn
+  settle
+  lsn=$(wal_lsn)
+  before=$(ticks)
+  "$bench_bin" --endpoint "$endpoint" --scenario "$scenario" --concurrency "$c" \
+    --connections "$conns" --duration "${seconds}s" --warmup "$warmup" \
+    --payload-bytes "$payload" --keys "$keys" --server-pid "$server_pid" --json "$@" \
+    >"$work/service.json" 2>"$work/service.err" ||
+    { cat "$work/service.err" >&2; exit 1; }
+  if [ -s "$work/service.err" ]; then sed 's/^/  /' "$work/service.err" >&2; fi
+  kill -0 "$server_pid" 2>/dev/null || { say "the server died; its log:"; cat "$work/server.log" >&2; exit 1; }
+  report service "$scenario" "$c" "$rep" "$work/service.json" "$before" "$(ticks)" \
+    "$(wal_since "$lsn")" "$(vmhwm_kb)" >>"$raw"
+  report progress "$raw"
+}
+
+say "$repeats x ${seconds}s per measurement; concurrency: $concurrencies"
+for c in $concurrencies; do
+  for rep in $(seq "$repeats"); do
+    run_pgbench new-keys bench/pgbench/new_key_pair.sql "$c" "$rep" -D "payload=$payload"
+    run_service new-keys "$c" "$rep"
+  done
+done
+# Vacuum now, so that autovacuum does not pick the replay runs to clean up
+# after the new keys; then the service's replay keys, completed once through the service (as pgbench's
+# were inserted once above), so the timed runs only read.
+"$bench_bin" --endpoint "$endpoint" --scenario replay --concurrency 1 --connections 1 --count 1 \
+  --warmup 0s --payload-bytes "$payload" --keys "$keys" --key-prefix bench-replay --json >/dev/null
+sql "VACUUM (ANALYZE) idempotency_records"
+for c in $concurrencies; do
+  for rep in $(seq "$repeats"); do
+    run_pgbench replay bench/pgbench/replay.sql "$c" "$rep" -D "keys=$keys"
+    run_service replay "$c" "$rep" --key-prefix bench-replay --skip-prepare
+  done
+done
+
+rows=$(sql "SELECT count(*) FROM idempotency_records")
+say "done; the table holds $rows rows"
+
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+if [ -n "$(git status --porcelain -- server migrations 2>/dev/null)" ]; then commit="$commit+dirty"; fi
+meta=$(python3 -c '
+import json, sys
+a = sys.argv[1:]
+print(json.dumps({
+    "timestamp": a[0], "git_commit": a[1],
+    "postgres": {"version": a[2], "fsync": a[3], "synchronous_commit": a[4]},
+    "settings": {"seconds": int(a[5]), "repeats": int(a[6]), "warmup": a[7], "payload_bytes": int(a[8]),
+                 "replay_keys": int(a[9]), "grpc_connections": int(a[10]), "wait_quiet": int(a[11]),
+                 "pgbench": "-M prepared -n -j 2 -c C -T " + a[5], "statistic": "median of repeats",
+                 "server": "idempotencyd serve, defaults (db pool 16), --reaper-enabled false"},
+    "final_table_rows": int(a[12]),
+}))' "$stamp" "$commit" "$pg_version" "$fsync" "$sync_commit" "$seconds" "$repeats" "$warmup" \
+  "$payload" "$keys" "$connections" "$wait_quiet" "$rows")
+report summary "$raw" "$out_dir/results-$stamp" "$meta"
