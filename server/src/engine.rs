@@ -11,7 +11,7 @@ use crate::{
         StoredResponse, Timestamp,
     },
     error::Error,
-    store::{RecordRow, Store, StoreError},
+    store::{AcquireAttempt, AcquireInput, AcquiredRow, FinishInput, RecordRow, Store, StoreError},
 };
 
 /// Longest `retry_after` hint: most attempts finish long before their lease ends.
@@ -64,46 +64,50 @@ impl Engine {
         let AcquireRequest {
             id, fingerprint, ..
         } = request;
+        let input = AcquireInput {
+            id,
+            fingerprint,
+            ttl,
+            lease,
+        };
         for _ in 0..ATTEMPTS {
-            if let Some(row) = self
-                .store
-                .try_acquire(&id, &fingerprint, ttl, lease)
-                .await?
-            {
-                return Ok(AcquireOutcome::Acquired {
-                    fencing_token: row.fencing_token(),
-                    lease_expires_at: row.lease_expires_at,
-                    expires_at: row.expires_at,
-                    takeover: row.took_over_lapsed_lease(),
-                });
-            }
-            // Not taken: read why. The common replay path costs this second round trip.
-            let Some(row) = self.store.read(&id).await?.filter(|row| !row.is_expired()) else {
-                continue; // Expired or reaped since the statement: try again.
+            // One round trip: a new key is created, an existing one read.
+            let row = match self.store.insert_or_read(input.clone()).await? {
+                AcquireAttempt::Inserted(row) => return Ok(acquired(row)),
+                AcquireAttempt::Existing(row) => row,
+                AcquireAttempt::Raced => continue,
             };
-            // The fingerprint wins over every state.
-            if row.fingerprint().conflicts_with(&fingerprint) {
-                return Ok(AcquireOutcome::FingerprintMismatch);
+            // An expired record acts as absent, whatever its fingerprint.
+            if !row.is_expired() {
+                // The fingerprint wins over every state.
+                if row.fingerprint().conflicts_with(&input.fingerprint) {
+                    return Ok(AcquireOutcome::FingerprintMismatch);
+                }
+                match row.state()? {
+                    RecordState::InProgress if row.lease_is_live() => {
+                        return Ok(in_progress(&row));
+                    }
+                    RecordState::Completed => {
+                        return Ok(AcquireOutcome::Completed {
+                            response: stored_response(&row)?,
+                            completed_at: finished_at(&row)?,
+                        });
+                    }
+                    RecordState::Failed => {
+                        return Ok(AcquireOutcome::Failed {
+                            error_response: stored_response(&row)?,
+                            failed_at: finished_at(&row)?,
+                        });
+                    }
+                    // The lease passed or the key was released: take it over below.
+                    RecordState::InProgress | RecordState::Released => {}
+                }
             }
-            match row.state()? {
-                RecordState::InProgress if row.lease_is_live() => {
-                    return Ok(in_progress(&row));
-                }
-                RecordState::Completed => {
-                    return Ok(AcquireOutcome::Completed {
-                        response: stored_response(&row)?,
-                        completed_at: finished_at(&row)?,
-                    });
-                }
-                RecordState::Failed => {
-                    return Ok(AcquireOutcome::Failed {
-                        error_response: stored_response(&row)?,
-                        failed_at: finished_at(&row)?,
-                    });
-                }
-                // The lease passed or the key was released since the statement.
-                RecordState::InProgress | RecordState::Released => continue,
+            // Expired, released, or a lapsed lease: a second round trip, rare.
+            if let Some(row) = self.store.take_over(&input).await? {
+                return Ok(acquired(row));
             }
+            // Someone else took it over, or it changed: look again.
         }
         Err(settle_failure("acquire"))
     }
@@ -213,11 +217,13 @@ impl Engine {
         response: &StoredResponse,
     ) -> Result<Timestamp, Error> {
         for _ in 0..ATTEMPTS {
-            if let Some(at) = self
-                .store
-                .finish(id, fencing_token, target, response)
-                .await?
-            {
+            let input = FinishInput {
+                id: id.clone(),
+                fencing_token,
+                state: target,
+                response: response.clone(),
+            };
+            if let Some(at) = self.store.finish(input).await? {
                 return Ok(at);
             }
             let row = self.current_holder(id, fencing_token).await?;
@@ -261,6 +267,15 @@ impl Engine {
             });
         }
         Ok(row)
+    }
+}
+
+fn acquired(row: AcquiredRow) -> AcquireOutcome {
+    AcquireOutcome::Acquired {
+        fencing_token: row.fencing_token(),
+        lease_expires_at: row.lease_expires_at,
+        expires_at: row.expires_at,
+        takeover: row.took_over_lapsed_lease(),
     }
 }
 

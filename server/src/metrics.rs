@@ -17,6 +17,7 @@ pub const DB_QUERY_DURATION_SECONDS: &str = "idempotency_db_query_duration_secon
 pub const DB_POOL_CONNECTIONS: &str = "idempotency_db_pool_connections";
 pub const DB_POOL_MAX_CONNECTIONS: &str = "idempotency_db_pool_max_connections";
 pub const DB_POOL_WAIT_SECONDS: &str = "idempotency_db_pool_wait_seconds";
+pub const DB_BATCH_SIZE: &str = "idempotency_db_batch_size";
 pub const DATABASE_UP: &str = "idempotency_database_up";
 pub const LEASE_TAKEOVERS_TOTAL: &str = "idempotency_lease_takeovers_total";
 pub const REPLAYS_TOTAL: &str = "idempotency_replays_total";
@@ -58,6 +59,10 @@ pub fn describe() {
         DB_POOL_WAIT_SECONDS,
         Unit::Seconds,
         "Time a statement waited for a free database connection."
+    );
+    describe_histogram!(
+        DB_BATCH_SIZE,
+        "Calls sharing one statement (group commit), by query."
     );
     describe_gauge!(
         DATABASE_UP,

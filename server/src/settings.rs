@@ -92,6 +92,17 @@ pub struct ServeArgs {
     /// How often table size and row counts are refreshed for /metrics.
     #[arg(long, env = "IDEMPOTENCY_STATS_INTERVAL", default_value = "60s", value_parser = humantime::parse_duration)]
     pub stats_interval: Duration,
+    /// Let concurrent Acquires, and concurrent Completes, share one statement
+    /// and one commit (group commit). Off: one statement per call.
+    #[arg(long, env = "IDEMPOTENCY_BATCHING", default_value_t = true, action = clap::ArgAction::Set)]
+    pub batching: bool,
+    /// Statements in flight at once per kind of call when batching. Few
+    /// workers make calls queue, and so share, while a statement runs.
+    #[arg(long, env = "IDEMPOTENCY_BATCH_WORKERS", default_value_t = 2)]
+    pub batch_workers: usize,
+    /// Most calls in one statement when batching.
+    #[arg(long, env = "IDEMPOTENCY_BATCH_MAX_SIZE", default_value_t = 64)]
+    pub batch_max_size: usize,
     /// Distinct `namespace` label values in /metrics; later namespaces are counted as `other`.
     #[arg(
         long,

@@ -17,7 +17,7 @@ use crate::{
     maintenance::ReaperSettings,
     metrics::NamespaceLabels,
     settings::ServeArgs,
-    store::Store,
+    store::{Store, batch::BatchSettings},
     telemetry,
 };
 
@@ -36,6 +36,8 @@ pub struct ServerConfig {
     pub stats_interval: Duration,
     /// Distinct namespaces named in metric labels.
     pub max_metric_namespaces: usize,
+    /// Group commit; `None`: one statement per call.
+    pub batching: Option<BatchSettings>,
 }
 
 impl ServerConfig {
@@ -49,6 +51,10 @@ impl ServerConfig {
             reaper: args.reaper_enabled.then(|| args.reaper.settings()),
             stats_interval: args.stats_interval,
             max_metric_namespaces: args.metrics_max_namespaces,
+            batching: args.batching.then_some(BatchSettings {
+                workers: args.batch_workers,
+                max_size: args.batch_max_size,
+            }),
         }
     }
 }
@@ -116,7 +122,10 @@ impl Application {
         Ok(Self {
             grpc_listener,
             metrics_listener,
-            store: Store::new(pool),
+            store: match config.batching {
+                Some(settings) => Store::with_batching(pool, settings),
+                None => Store::new(pool),
+            },
             config,
         })
     }

@@ -2,7 +2,7 @@
 
 use std::sync::OnceLock;
 
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tracing_subscriber::{EnvFilter, fmt};
 
 use crate::settings::{LogArgs, LogFormat};
@@ -29,6 +29,9 @@ const DURATION_BUCKETS: &[f64] = &[
     5.0, 10.0,
 ];
 
+/// Calls per statement: powers of two up to the largest batch.
+const BATCH_SIZE_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
+
 /// The process-wide Prometheus recorder, installed on first use. A process
 /// has one global recorder, so every server in it (tests start many) shares it.
 pub fn metrics_handle() -> PrometheusHandle {
@@ -37,6 +40,11 @@ pub fn metrics_handle() -> PrometheusHandle {
         .get_or_init(|| {
             let handle = PrometheusBuilder::new()
                 .set_buckets(DURATION_BUCKETS)
+                .expect("bucket list is not empty")
+                .set_buckets_for_metric(
+                    Matcher::Full(crate::metrics::DB_BATCH_SIZE.to_owned()),
+                    BATCH_SIZE_BUCKETS,
+                )
                 .expect("bucket list is not empty")
                 .install_recorder()
                 .expect("no other metrics recorder is installed");

@@ -24,6 +24,8 @@ pub fn test_config() -> ServerConfig {
         reaper: None,
         stats_interval: Duration::from_secs(3600),
         max_metric_namespaces: 200,
+        // The contract holds with group commit on, as served by default.
+        batching: Some(idempotency_server::store::batch::BatchSettings::default()),
     }
 }
 

@@ -2,14 +2,19 @@
 //! no transaction stays open across a caller's business logic. Every time is
 //! the database's `now()`, so replicas of the service agree on leases.
 //!
-//! This module holds the records' hot path; [`reaper`] deletes expired
-//! records, [`stats`] reads the table's size, [`admin`] serves the operator CLI.
+//! This module and [`records`] hold the records' hot path ([`batch`] lets
+//! concurrent calls share statements); [`reaper`] deletes expired records,
+//! [`stats`] reads the table's size, [`admin`] serves the operator CLI.
 
 pub mod admin;
+pub mod batch;
 pub mod reaper;
+mod records;
 pub mod stats;
 
-use std::{collections::BTreeMap, time::Duration};
+pub use records::{AcquireAttempt, AcquireInput, FinishInput};
+
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
 use sqlx::{PgPool, Postgres, pool::PoolConnection, postgres::types::PgInterval, types::Json};
 
@@ -19,14 +24,15 @@ use crate::{
 };
 
 /// A failed statement, sorted by what the caller can do about it.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, Clone)]
 pub enum StoreError {
     /// The database is unreachable, overloaded or restarting: retrying later may succeed.
+    /// (Shared: one failed batch statement fails every call in it.)
     #[error("database unavailable")]
-    Unavailable(#[source] sqlx::Error),
+    Unavailable(#[source] Arc<sqlx::Error>),
     /// Anything else: a bug or a broken schema.
     #[error("database error")]
-    Internal(#[source] sqlx::Error),
+    Internal(#[source] Arc<sqlx::Error>),
     /// A row holds a value the schema's checks should have refused.
     #[error("corrupt row: {0}")]
     Corrupt(String),
@@ -35,9 +41,9 @@ pub enum StoreError {
 impl From<sqlx::Error> for StoreError {
     fn from(error: sqlx::Error) -> Self {
         if is_transient(&error) {
-            Self::Unavailable(error)
+            Self::Unavailable(Arc::new(error))
         } else {
-            Self::Internal(error)
+            Self::Internal(Arc::new(error))
         }
     }
 }
@@ -79,6 +85,20 @@ pub struct AcquiredRow {
 }
 
 impl AcquiredRow {
+    /// A record this statement created: token 1, no previous state.
+    pub(crate) fn inserted(
+        fencing_token: i64,
+        lease_expires_at: Timestamp,
+        expires_at: Timestamp,
+    ) -> Self {
+        Self {
+            fencing_token,
+            lease_expires_at,
+            expires_at,
+            previous_state: None,
+        }
+    }
+
     pub fn fencing_token(&self) -> FencingToken {
         // The schema keeps tokens positive.
         self.fencing_token as FencingToken
@@ -152,9 +172,19 @@ impl RecordRow {
 }
 
 /// Handle to the records table.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Store {
     pool: PgPool,
+    /// Group commit for Acquire and Complete/Fail; `None`: one statement per call.
+    batchers: Option<Arc<records::Batchers>>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("batching", &self.batchers.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 pub(crate) fn interval(duration: Duration) -> PgInterval {
@@ -168,82 +198,46 @@ pub(crate) fn interval(duration: Duration) -> PgInterval {
 
 /// Postgres has no unsigned types; codes above i32::MAX are refused by validation
 /// long before they get here, so saturating is only a guard.
-fn status(response: &StoredResponse) -> i32 {
+pub(crate) fn status(response: &StoredResponse) -> i32 {
     i32::try_from(response.status_code).unwrap_or(i32::MAX)
 }
 
-fn token(token: FencingToken) -> i64 {
+pub(crate) fn token(token: FencingToken) -> i64 {
     i64::try_from(token).unwrap_or(i64::MAX)
 }
 
+/// A connection from the pool, timing the wait for it.
+async fn connection(pool: &PgPool) -> StoreResult<PoolConnection<Postgres>> {
+    let started = std::time::Instant::now();
+    let connection = pool.acquire().await;
+    metrics::histogram!(DB_POOL_WAIT_SECONDS).record(started.elapsed().as_secs_f64());
+    Ok(connection?)
+}
+
 impl Store {
+    /// One statement per call.
     pub fn new(pool: PgPool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            batchers: None,
+        }
+    }
+
+    /// Concurrent Acquires, and concurrent Completes and terminal Fails,
+    /// share statements (see [`batch`]).
+    pub fn with_batching(pool: PgPool, settings: batch::BatchSettings) -> Self {
+        Self {
+            batchers: Some(Arc::new(records::Batchers::spawn(pool.clone(), settings))),
+            pool,
+        }
     }
 
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
 
-    /// A connection from the pool, timing the wait for it.
     async fn connection(&self) -> StoreResult<PoolConnection<Postgres>> {
-        let started = std::time::Instant::now();
-        let connection = self.pool.acquire().await;
-        metrics::histogram!(DB_POOL_WAIT_SECONDS).record(started.elapsed().as_secs_f64());
-        Ok(connection?)
-    }
-
-    /// Creates the record, or takes over one that expired, was released, or
-    /// whose lease passed (when the fingerprints agree). `None`: the key is
-    /// held or finished; read it to learn how.
-    pub async fn try_acquire(
-        &self,
-        id: &RecordId,
-        fingerprint: &Fingerprint,
-        ttl: Duration,
-        lease: Duration,
-    ) -> StoreResult<Option<AcquiredRow>> {
-        // One statement: the insert wins a fresh key; ON CONFLICT turns into a
-        // takeover only when the WHERE allows it, else returns no row. The row
-        // lock it takes lasts only for this statement, never across business logic.
-        // A record never expires under a live lease: expires_at >= lease_expires_at.
-        const SQL: &str = "
-            INSERT INTO idempotency_records AS r
-                (namespace, operation, subject, key, state, fingerprint, fencing_token,
-                 created_at, expires_at, lease_expires_at)
-            VALUES ($1, $2, $3, $4, 'in_progress', $5, 1,
-                    now(), now() + greatest($6::interval, $7::interval), now() + $7::interval)
-            ON CONFLICT (namespace, operation, subject, key) DO UPDATE SET
-                state = 'in_progress',
-                fingerprint = CASE WHEN r.expires_at <= now() OR r.fingerprint = ''
-                                   THEN EXCLUDED.fingerprint ELSE r.fingerprint END,
-                fencing_token = CASE WHEN r.expires_at <= now() THEN 1 ELSE r.fencing_token + 1 END,
-                created_at = CASE WHEN r.expires_at <= now() THEN EXCLUDED.created_at ELSE r.created_at END,
-                expires_at = CASE WHEN r.expires_at <= now() THEN EXCLUDED.expires_at
-                                  ELSE greatest(r.expires_at, EXCLUDED.lease_expires_at) END,
-                lease_expires_at = EXCLUDED.lease_expires_at,
-                completed_at = NULL,
-                response_status = NULL,
-                response_body = NULL,
-                response_headers = NULL,
-                previous_state = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.state END
-            WHERE r.expires_at <= now()
-               OR ((r.state = 'released' OR (r.state = 'in_progress' AND r.lease_expires_at <= now()))
-                   AND (r.fingerprint = EXCLUDED.fingerprint OR r.fingerprint = '' OR EXCLUDED.fingerprint = ''))
-            RETURNING fencing_token, lease_expires_at, expires_at, previous_state";
-        let _timer = QueryTimer::start("acquire");
-        let mut connection = self.connection().await?;
-        let row = sqlx::query_as::<_, AcquiredRow>(SQL)
-            .bind(id.namespace())
-            .bind(id.operation())
-            .bind(id.subject())
-            .bind(id.key())
-            .bind(fingerprint.as_bytes())
-            .bind(interval(ttl))
-            .bind(interval(lease))
-            .fetch_optional(&mut *connection)
-            .await?;
-        Ok(row)
+        connection(&self.pool).await
     }
 
     /// Reads a record, expired or not, with the database's `now()`.
@@ -263,43 +257,6 @@ impl Store {
             .fetch_optional(&mut *connection)
             .await?;
         Ok(row)
-    }
-
-    /// Moves the live in-progress record held with `fencing_token` to
-    /// `completed` or `failed` with `response`. `None`: no such record.
-    pub async fn finish(
-        &self,
-        id: &RecordId,
-        fencing_token: FencingToken,
-        state: RecordState,
-        response: &StoredResponse,
-    ) -> StoreResult<Option<Timestamp>> {
-        debug_assert!(matches!(
-            state,
-            RecordState::Completed | RecordState::Failed
-        ));
-        const SQL: &str = "
-            UPDATE idempotency_records
-            SET state = $6, lease_expires_at = NULL, completed_at = now(),
-                response_status = $7, response_body = $8, response_headers = $9
-            WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
-              AND fencing_token = $5 AND state = 'in_progress' AND expires_at > now()
-            RETURNING completed_at";
-        let _timer = QueryTimer::start("finish");
-        let mut connection = self.connection().await?;
-        let completed_at = sqlx::query_scalar::<_, Timestamp>(SQL)
-            .bind(id.namespace())
-            .bind(id.operation())
-            .bind(id.subject())
-            .bind(id.key())
-            .bind(token(fencing_token))
-            .bind(state.as_str())
-            .bind(status(response))
-            .bind(&response.body)
-            .bind(Json(&response.headers))
-            .fetch_optional(&mut *connection)
-            .await?;
-        Ok(completed_at)
     }
 
     /// Gives the key back so the next Acquire takes it over. `false`: no live

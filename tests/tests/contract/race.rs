@@ -4,7 +4,9 @@
 use std::sync::Arc;
 
 use idempotency_client::pb::{self, acquire_response::Outcome};
-use idempotency_tests::{TestDb, TestServer, record_id, response, unique_key};
+use idempotency_tests::{
+    TestDb, TestServer, record_id, response, server_pool, test_config, unique_key,
+};
 use tokio::sync::Barrier;
 
 use crate::support::*;
@@ -49,7 +51,22 @@ async fn clients(server: &TestServer) -> Vec<Client> {
 async fn sixty_four_concurrent_acquires_give_exactly_one_holder_then_identical_replays() {
     let db = TestDb::new().await;
     let server = TestServer::start(&db).await;
-    let clients = clients(&server).await;
+    one_holder_then_identical_replays(&server).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_four_concurrent_acquires_give_exactly_one_holder_without_batching_too() {
+    let db = TestDb::new().await;
+    let config = idempotency_server::startup::ServerConfig {
+        batching: None,
+        ..test_config()
+    };
+    let server = TestServer::start_with(config, server_pool(db.connect_options())).await;
+    one_holder_then_identical_replays(&server).await;
+}
+
+async fn one_holder_then_identical_replays(server: &TestServer) {
+    let clients = clients(server).await;
 
     for round in 0..20 {
         let id = record_id(&unique_key(&format!("race{round}")));
@@ -114,4 +131,65 @@ async fn concurrent_takeovers_of_a_lapsed_lease_give_exactly_one_new_holder() {
             .count();
         assert_eq!(in_progress, CALLERS - 1);
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn full_batches_with_many_keys_and_duplicates_give_exactly_one_holder_per_key() {
+    use idempotency_server::store::batch::BatchSettings;
+    const KEYS: usize = 16;
+    const DUPLICATES: usize = 8;
+    let db = TestDb::new().await;
+    // One worker: while its statement runs, every other call queues, so
+    // batches fill up and carry duplicates of the same keys.
+    let config = idempotency_server::startup::ServerConfig {
+        batching: Some(BatchSettings {
+            workers: 1,
+            max_size: 64,
+        }),
+        ..test_config()
+    };
+    let server = TestServer::start_with(config, server_pool(db.connect_options())).await;
+    let clients = clients(&server).await;
+    let ids: Vec<_> = (0..KEYS)
+        .map(|n| record_id(&unique_key(&format!("batch{n}"))))
+        .collect();
+    let metrics = idempotency_server::telemetry::metrics_handle();
+    let barrier = Arc::new(Barrier::new(KEYS * DUPLICATES));
+
+    let tasks: Vec<_> = (0..KEYS * DUPLICATES)
+        .map(|caller| {
+            let mut client = clients[caller % clients.len()].clone();
+            let id = ids[caller % KEYS].clone();
+            let barrier = barrier.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                (id.key.clone(), acquire(&mut client, &id, b"same").await)
+            })
+        })
+        .collect();
+    let mut acquired = std::collections::HashMap::<String, Vec<u64>>::new();
+    for task in tasks {
+        let (key, outcome) = task.await.unwrap();
+        match outcome {
+            Outcome::Acquired(a) => acquired.entry(key).or_default().push(a.fencing_token),
+            Outcome::InProgress(_) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+
+    assert_eq!(acquired.len(), KEYS, "{acquired:?}");
+    assert!(
+        acquired.values().all(|tokens| tokens == &[1]),
+        "{acquired:?}"
+    );
+    let page = metrics.render();
+    let value = |series: &str| idempotency_tests::metric_value(&page, series).unwrap_or(0.0);
+    let (sum, count) = (
+        value(r#"idempotency_db_batch_size_sum{query="acquire"}"#),
+        value(r#"idempotency_db_batch_size_count{query="acquire"}"#),
+    );
+    assert!(
+        count > 0.0 && sum / count > 1.5,
+        "statements did not batch: {sum} calls in {count}"
+    );
 }

@@ -1,0 +1,170 @@
+//! Group commit: concurrent calls of one kind share a statement, and so a
+//! transaction and a WAL flush. Each call still gets its answer only after
+//! the statement holding its row committed.
+//!
+//! There is no waiting window: a worker takes whatever is queued when it
+//! becomes free. A lone call runs at once; under load, calls queue while the
+//! workers' statements run, and the next statement takes them all.
+
+use std::{collections::HashSet, future::Future, pin::Pin, sync::Arc};
+
+use tokio::sync::{Mutex, mpsc, oneshot};
+
+use super::{StoreError, StoreResult};
+use crate::domain::RecordId;
+
+/// A call that can share a statement with others for different records.
+pub trait Batchable: Send + 'static {
+    /// The record it touches; a statement holds each record once.
+    fn record(&self) -> &RecordId;
+}
+
+type Execute<I, O> =
+    dyn Fn(Vec<I>) -> Pin<Box<dyn Future<Output = StoreResult<Vec<O>>> + Send>> + Send + Sync;
+
+struct Job<I, O> {
+    input: I,
+    reply: oneshot::Sender<StoreResult<O>>,
+}
+
+/// Queues calls for a few workers that run them in batches.
+pub struct Batcher<I, O> {
+    queue: mpsc::Sender<Job<I, O>>,
+}
+
+/// How batches form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchSettings {
+    /// Statements in flight at once, per kind of call.
+    pub workers: usize,
+    /// Most calls in one statement.
+    pub max_size: usize,
+}
+
+impl Default for BatchSettings {
+    fn default() -> Self {
+        Self {
+            workers: 2,
+            max_size: 64,
+        }
+    }
+}
+
+impl<I: Batchable + Clone, O: Send + 'static> Batcher<I, O> {
+    /// Starts the workers. `execute` runs one statement for the inputs given
+    /// and answers in the same order.
+    pub fn spawn<E, F>(name: &'static str, settings: BatchSettings, execute: E) -> Self
+    where
+        E: Fn(Vec<I>) -> F + Send + Sync + 'static,
+        F: Future<Output = StoreResult<Vec<O>>> + Send + 'static,
+    {
+        let execute: Arc<Execute<I, O>> = Arc::new(move |inputs| Box::pin(execute(inputs)));
+        let (queue, receiver) = mpsc::channel(settings.max_size.max(1) * 64);
+        let receiver = Arc::new(Mutex::new(receiver));
+        for _ in 0..settings.workers.max(1) {
+            tokio::spawn(work(
+                name,
+                receiver.clone(),
+                execute.clone(),
+                settings.max_size.max(1),
+            ));
+        }
+        Self { queue }
+    }
+
+    /// Runs `input` in the next batch and returns its own answer.
+    pub async fn run(&self, input: I) -> StoreResult<O> {
+        let (reply, answer) = oneshot::channel();
+        self.queue
+            .send(Job { input, reply })
+            .await
+            .map_err(|_| stopped())?;
+        answer.await.map_err(|_| stopped())?
+    }
+}
+
+fn stopped() -> StoreError {
+    StoreError::Unavailable(Arc::new(sqlx::Error::PoolClosed))
+}
+
+/// A worker: take what is queued (one record at most once), run it, answer.
+async fn work<I: Batchable + Clone, O>(
+    name: &'static str,
+    receiver: Arc<Mutex<mpsc::Receiver<Job<I, O>>>>,
+    execute: Arc<Execute<I, O>>,
+    max_size: usize,
+) {
+    let mut deferred: Vec<Job<I, O>> = Vec::new();
+    loop {
+        let mut jobs = Vec::with_capacity(max_size);
+        let mut records = HashSet::new();
+        // Calls for a record already in the batch wait for the next one, so
+        // they see what the first did.
+        for job in std::mem::take(&mut deferred) {
+            if jobs.len() < max_size && records.insert(job.input.record().clone()) {
+                jobs.push(job);
+            } else {
+                deferred.push(job);
+            }
+        }
+        if jobs.is_empty() {
+            let mut queue = receiver.lock().await;
+            let Some(first) = queue.recv().await else {
+                return; // The batcher was dropped.
+            };
+            records.insert(first.input.record().clone());
+            jobs.push(first);
+            while jobs.len() < max_size {
+                let Ok(job) = queue.try_recv() else { break };
+                if records.insert(job.input.record().clone()) {
+                    jobs.push(job);
+                } else {
+                    deferred.push(job);
+                }
+            }
+        }
+        metrics::histogram!(crate::metrics::DB_BATCH_SIZE, "query" => name)
+            .record(jobs.len() as f64);
+        run_batch(&execute, jobs).await;
+    }
+}
+
+async fn run_batch<I: Clone, O>(execute: &Arc<Execute<I, O>>, jobs: Vec<Job<I, O>>) {
+    let inputs: Vec<I> = jobs.iter().map(|job| job.input.clone()).collect();
+    let size = inputs.len();
+    match execute(inputs).await {
+        Ok(outputs) if outputs.len() == size => {
+            for (job, output) in jobs.into_iter().zip(outputs) {
+                let _ = job.reply.send(Ok(output));
+            }
+        }
+        Ok(outputs) => {
+            let error = StoreError::Corrupt(format!(
+                "a batch of {size} answered {} results",
+                outputs.len()
+            ));
+            for job in jobs {
+                let _ = job.reply.send(Err(error.clone()));
+            }
+        }
+        // Not the database's health: one call's row may be to blame. Run
+        // each alone so the error stays with the rows it concerns.
+        Err(StoreError::Internal(_)) if size > 1 => {
+            for job in jobs {
+                let result = execute(vec![job.input.clone()])
+                    .await
+                    .and_then(|mut outputs| {
+                        outputs
+                            .pop()
+                            .ok_or_else(|| StoreError::Corrupt("no result".into()))
+                    });
+                let _ = job.reply.send(result);
+            }
+        }
+        Err(error) => {
+            for job in jobs {
+                let _ = job.reply.send(Err(error.clone()));
+            }
+        }
+    }
+}

@@ -1,0 +1,314 @@
+//! The hot path's statements: Acquire's insert-or-read and takeover, and
+//! Complete / terminal Fail. The first and the last take any number of
+//! calls at once, so concurrent calls share one statement and one commit.
+
+use std::time::Duration;
+
+use sqlx::{PgPool, postgres::types::PgInterval, types::Json};
+
+use super::{
+    AcquiredRow, RecordRow, Store, StoreResult,
+    batch::{BatchSettings, Batchable, Batcher},
+    connection, interval, status, token,
+};
+use crate::{
+    domain::{FencingToken, Fingerprint, RecordId, RecordState, StoredResponse, Timestamp},
+    metrics::QueryTimer,
+};
+
+/// One Acquire as the store sees it.
+#[derive(Debug, Clone)]
+pub struct AcquireInput {
+    pub id: RecordId,
+    pub fingerprint: Fingerprint,
+    pub ttl: Duration,
+    pub lease: Duration,
+}
+
+impl Batchable for AcquireInput {
+    fn record(&self) -> &RecordId {
+        &self.id
+    }
+}
+
+/// What the insert-or-read statement found for one Acquire.
+#[derive(Debug)]
+pub enum AcquireAttempt {
+    /// This statement created the record: the caller holds it with token 1.
+    Inserted(AcquiredRow),
+    /// The record exists, as read by the same statement.
+    Existing(RecordRow),
+    /// Another statement created the record after this one's snapshot was
+    /// taken, so it was neither inserted nor seen: ask again.
+    Raced,
+}
+
+/// One Complete or terminal Fail as the store sees it.
+#[derive(Debug, Clone)]
+pub struct FinishInput {
+    pub id: RecordId,
+    pub fencing_token: FencingToken,
+    /// `Completed` or `Failed`.
+    pub state: RecordState,
+    pub response: StoredResponse,
+}
+
+impl Batchable for FinishInput {
+    fn record(&self) -> &RecordId {
+        &self.id
+    }
+}
+
+pub(super) struct Batchers {
+    acquire: Batcher<AcquireInput, AcquireAttempt>,
+    finish: Batcher<FinishInput, Option<Timestamp>>,
+}
+
+impl Batchers {
+    pub(super) fn spawn(pool: PgPool, settings: BatchSettings) -> Self {
+        let acquire_pool = pool.clone();
+        Self {
+            acquire: Batcher::spawn("acquire", settings, move |inputs| {
+                let pool = acquire_pool.clone();
+                async move { insert_or_read(&pool, &inputs).await }
+            }),
+            finish: Batcher::spawn("finish", settings, move |inputs| {
+                let pool = pool.clone();
+                async move { finish(&pool, &inputs).await }
+            }),
+        }
+    }
+}
+
+impl Store {
+    /// Creates the record, or reads it when it exists. One round trip, and
+    /// no write at all when the record exists (a replay, a duplicate): only
+    /// a new key costs a commit.
+    pub async fn insert_or_read(&self, input: AcquireInput) -> StoreResult<AcquireAttempt> {
+        match &self.batchers {
+            Some(batchers) => batchers.acquire.run(input).await,
+            None => single(insert_or_read(&self.pool, std::slice::from_ref(&input)).await),
+        }
+    }
+
+    /// Moves the live in-progress record held with `fencing_token` to
+    /// `completed` or `failed` with its response. `None`: no such record.
+    pub async fn finish(&self, input: FinishInput) -> StoreResult<Option<Timestamp>> {
+        match &self.batchers {
+            Some(batchers) => batchers.finish.run(input).await,
+            None => single(finish(&self.pool, std::slice::from_ref(&input)).await),
+        }
+    }
+
+    /// Takes over a record that expired, was released, or whose lease passed
+    /// (when the fingerprints agree). `None`: it is no longer takeable.
+    pub async fn take_over(&self, input: &AcquireInput) -> StoreResult<Option<AcquiredRow>> {
+        // READ COMMITTED re-checks the WHERE on the newest row version after
+        // waiting for a concurrent writer, so of concurrent takeovers one wins.
+        // A record never expires under a live lease: expires_at >= lease_expires_at.
+        const SQL: &str = "
+            UPDATE idempotency_records AS r SET
+                state = 'in_progress',
+                fingerprint = CASE WHEN r.expires_at <= now() OR r.fingerprint = ''
+                                   THEN $5 ELSE r.fingerprint END,
+                fencing_token = CASE WHEN r.expires_at <= now() THEN 1 ELSE r.fencing_token + 1 END,
+                created_at = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END,
+                expires_at = CASE WHEN r.expires_at <= now()
+                                  THEN now() + greatest($6::interval, $7::interval)
+                                  ELSE greatest(r.expires_at, now() + $7::interval) END,
+                lease_expires_at = now() + $7::interval,
+                completed_at = NULL,
+                response_status = NULL,
+                response_body = NULL,
+                response_headers = NULL,
+                previous_state = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.state END
+            WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
+              AND (r.expires_at <= now()
+                   OR ((r.state = 'released' OR (r.state = 'in_progress' AND r.lease_expires_at <= now()))
+                       AND (r.fingerprint = $5 OR r.fingerprint = '' OR $5 = '')))
+            RETURNING fencing_token, lease_expires_at, expires_at, previous_state";
+        let _timer = QueryTimer::start("take_over");
+        let mut connection = self.connection().await?;
+        let row = sqlx::query_as::<_, AcquiredRow>(SQL)
+            .bind(input.id.namespace())
+            .bind(input.id.operation())
+            .bind(input.id.subject())
+            .bind(input.id.key())
+            .bind(input.fingerprint.as_bytes())
+            .bind(interval(input.ttl))
+            .bind(interval(input.lease))
+            .fetch_optional(&mut *connection)
+            .await?;
+        Ok(row)
+    }
+}
+
+fn single<T>(result: StoreResult<Vec<T>>) -> StoreResult<T> {
+    result?
+        .pop()
+        .ok_or_else(|| super::StoreError::Corrupt("a statement answered no result".into()))
+}
+
+/// Positions of `records` in key order. Every statement touches its rows in
+/// this order, so two concurrent statements sharing records wait for each
+/// other instead of deadlocking.
+fn key_order<'a>(records: impl Iterator<Item = &'a RecordId>) -> Vec<usize> {
+    let records: Vec<&RecordId> = records.collect();
+    let mut order: Vec<usize> = (0..records.len()).collect();
+    order.sort_by(|&a, &b| sort_key(records[a]).cmp(&sort_key(records[b])));
+    order
+}
+
+fn sort_key(id: &RecordId) -> (&str, &str, &str, &str) {
+    (id.namespace(), id.operation(), id.subject(), id.key())
+}
+
+/// A row of the insert-or-read statement: which input, inserted or read.
+#[derive(sqlx::FromRow)]
+struct AttemptRow {
+    ord: i64,
+    inserted: bool,
+    #[sqlx(flatten)]
+    record: RecordRow,
+}
+
+async fn insert_or_read(
+    pool: &PgPool,
+    inputs: &[AcquireInput],
+) -> StoreResult<Vec<AcquireAttempt>> {
+    // The insert skips existing keys without locking or writing them; the
+    // second branch reads those with the statement's snapshot, which cannot
+    // see this statement's own inserts (and so never reads a key twice). A key
+    // committed by someone else after the snapshot is neither: `Raced`.
+    const SQL: &str = "
+        WITH input AS (
+            SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[],
+                                 $6::interval[], $7::interval[], $8::int8[])
+                WITH ORDINALITY AS v(namespace, operation, subject, key, fingerprint, ttl, lease, ord, pos)
+        ), inserted AS (
+            INSERT INTO idempotency_records
+                (namespace, operation, subject, key, state, fingerprint, fencing_token,
+                 created_at, expires_at, lease_expires_at)
+            SELECT namespace, operation, subject, key, 'in_progress', fingerprint, 1,
+                   now(), now() + greatest(ttl, lease), now() + lease
+            FROM input
+            ORDER BY pos
+            ON CONFLICT (namespace, operation, subject, key) DO NOTHING
+            RETURNING namespace, operation, subject, key, state, fingerprint, fencing_token,
+                      created_at, expires_at, lease_expires_at, completed_at,
+                      response_status, response_body, response_headers
+        )
+        SELECT i.ord, true AS inserted, x.state, x.fingerprint, x.fencing_token, x.created_at,
+               x.expires_at, x.lease_expires_at, x.completed_at, x.response_status,
+               x.response_body, x.response_headers, now() AS db_now
+        FROM input i JOIN inserted x USING (namespace, operation, subject, key)
+        UNION ALL
+        SELECT i.ord, false, r.state, r.fingerprint, r.fencing_token, r.created_at,
+               r.expires_at, r.lease_expires_at, r.completed_at, r.response_status,
+               r.response_body, r.response_headers, now()
+        FROM input i JOIN idempotency_records r USING (namespace, operation, subject, key)
+        WHERE NOT EXISTS (SELECT 1 FROM inserted x
+                          WHERE (x.namespace, x.operation, x.subject, x.key)
+                              = (i.namespace, i.operation, i.subject, i.key))";
+    let order = key_order(inputs.iter().map(|input| &input.id));
+    let column = |part: fn(&AcquireInput) -> &str| -> Vec<&str> {
+        order.iter().map(|&i| part(&inputs[i])).collect()
+    };
+    let fingerprints: Vec<&[u8]> = order
+        .iter()
+        .map(|&i| inputs[i].fingerprint.as_bytes())
+        .collect();
+    let ttls: Vec<PgInterval> = order.iter().map(|&i| interval(inputs[i].ttl)).collect();
+    let leases: Vec<PgInterval> = order.iter().map(|&i| interval(inputs[i].lease)).collect();
+    let positions: Vec<i64> = order.iter().map(|&i| i as i64).collect();
+
+    let _timer = QueryTimer::start("acquire");
+    let mut connection = connection(pool).await?;
+    let rows = sqlx::query_as::<_, AttemptRow>(SQL)
+        .bind(column(|input| input.id.namespace()))
+        .bind(column(|input| input.id.operation()))
+        .bind(column(|input| input.id.subject()))
+        .bind(column(|input| input.id.key()))
+        .bind(fingerprints)
+        .bind(ttls)
+        .bind(leases)
+        .bind(positions)
+        .fetch_all(&mut *connection)
+        .await?;
+
+    let mut attempts: Vec<AcquireAttempt> = inputs.iter().map(|_| AcquireAttempt::Raced).collect();
+    for row in rows {
+        let Some(slot) = usize::try_from(row.ord)
+            .ok()
+            .and_then(|i| attempts.get_mut(i))
+        else {
+            continue;
+        };
+        *slot = if row.inserted {
+            AcquireAttempt::Inserted(AcquiredRow::inserted(
+                row.record.fencing_token,
+                row.record.lease_expires_at.unwrap_or(row.record.db_now),
+                row.record.expires_at,
+            ))
+        } else {
+            AcquireAttempt::Existing(row.record)
+        };
+    }
+    Ok(attempts)
+}
+
+async fn finish(pool: &PgPool, inputs: &[FinishInput]) -> StoreResult<Vec<Option<Timestamp>>> {
+    const SQL: &str = "
+        UPDATE idempotency_records AS r
+        SET state = v.state, lease_expires_at = NULL, completed_at = now(),
+            response_status = v.status, response_body = v.body, response_headers = v.headers
+        FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::text[],
+                    $7::int4[], $8::bytea[], $9::jsonb[], $10::int8[])
+            AS v(namespace, operation, subject, key, token, state, status, body, headers, ord)
+        WHERE r.namespace = v.namespace AND r.operation = v.operation
+          AND r.subject = v.subject AND r.key = v.key
+          AND r.fencing_token = v.token AND r.state = 'in_progress' AND r.expires_at > now()
+        RETURNING v.ord, r.completed_at";
+    let order = key_order(inputs.iter().map(|input| &input.id));
+    let column = |part: fn(&FinishInput) -> &str| -> Vec<&str> {
+        order.iter().map(|&i| part(&inputs[i])).collect()
+    };
+    let tokens: Vec<i64> = order
+        .iter()
+        .map(|&i| token(inputs[i].fencing_token))
+        .collect();
+    let states: Vec<&str> = order.iter().map(|&i| inputs[i].state.as_str()).collect();
+    let statuses: Vec<i32> = order.iter().map(|&i| status(&inputs[i].response)).collect();
+    let bodies: Vec<&[u8]> = order
+        .iter()
+        .map(|&i| inputs[i].response.body.as_slice())
+        .collect();
+    let headers: Vec<Json<&std::collections::BTreeMap<String, String>>> = order
+        .iter()
+        .map(|&i| Json(&inputs[i].response.headers))
+        .collect();
+    let positions: Vec<i64> = order.iter().map(|&i| i as i64).collect();
+
+    let _timer = QueryTimer::start("finish");
+    let mut connection = connection(pool).await?;
+    let rows: Vec<(i64, Timestamp)> = sqlx::query_as(SQL)
+        .bind(column(|input| input.id.namespace()))
+        .bind(column(|input| input.id.operation()))
+        .bind(column(|input| input.id.subject()))
+        .bind(column(|input| input.id.key()))
+        .bind(tokens)
+        .bind(states)
+        .bind(statuses)
+        .bind(bodies)
+        .bind(headers)
+        .bind(positions)
+        .fetch_all(&mut *connection)
+        .await?;
+    let mut finished = vec![None; inputs.len()];
+    for (ord, completed_at) in rows {
+        if let Some(slot) = usize::try_from(ord).ok().and_then(|i| finished.get_mut(i)) {
+            *slot = Some(completed_at);
+        }
+    }
+    Ok(finished)
+}
