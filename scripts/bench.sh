@@ -12,6 +12,7 @@
 # BENCH_REPEATS times (default 3), pgbench and service interleaved; the table
 # shows medians. Results: target/bench/results-<timestamp>.{json,md}.
 #
+# BENCH_SERVER_ARGS adds flags to `idempotencyd serve` (e.g. "--batching false").
 # Other knobs: BENCH_WARMUP (service only, default 2s), BENCH_PAYLOAD_BYTES
 # (256), BENCH_KEYS (replay keys, 1000), BENCH_CONNECTIONS (gRPC, 4), and
 # BENCH_WAIT_QUIET=N: before each measurement, wait up to N seconds until
@@ -106,7 +107,7 @@ metrics_port=$(free_port)
 while [ "$metrics_port" = "$grpc_port" ]; do metrics_port=$(free_port); done
 
 "$server_bin" serve --grpc-addr "127.0.0.1:$grpc_port" --metrics-addr "127.0.0.1:$metrics_port" \
-  --reaper-enabled false --drain-timeout 5s >"$work/server.log" 2>&1 &
+  --reaper-enabled false --drain-timeout 5s ${BENCH_SERVER_ARGS:-} >"$work/server.log" 2>&1 &
 server_pid=$!
 for _ in $(seq 100); do
   kill -0 "$server_pid" 2>/dev/null || { say "the server exited; its log:"; cat "$work/server.log" >&2; exit 1; }
@@ -114,7 +115,7 @@ for _ in $(seq 100); do
   sleep 0.1
 done
 endpoint="http://127.0.0.1:$grpc_port"
-say "idempotencyd (pid $server_pid, release) on $endpoint; db pool and other settings at their defaults"
+say "idempotencyd (pid $server_pid, release) on $endpoint; settings at their defaults${BENCH_SERVER_ARGS:+ except $BENCH_SERVER_ARGS}"
 
 ticks() { report ticks "$postmaster_pid" "$server_pid" "$$"; }
 vmhwm_kb() { awk '/^VmHWM:/ { print $2 }' "/proc/$server_pid/status"; }
