@@ -99,3 +99,47 @@ pub fn metric_value(page: &str, series: &str) -> Option<f64> {
             .ok()
     })
 }
+
+/// A server whose database connections go through a [`TcpProxy`], so a test
+/// can cut it off from Postgres and restore it.
+pub async fn server_behind_proxy(db: &TestDb) -> (TestServer, TcpProxy) {
+    let options = db.connect_options();
+    let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = TcpProxy::start(upstream).await;
+    let pool = server_pool(options.host("127.0.0.1").port(proxy.addr.port()));
+    (TestServer::start_with(test_config(), pool).await, proxy)
+}
+
+/// Locks a record's row in a transaction of the test's own, so that the
+/// server's next statement on it waits until the transaction ends.
+pub async fn lock_record(db: &TestDb, key: &str) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut blocker = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM idempotency_records WHERE key = $1 FOR UPDATE")
+        .bind(key)
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    blocker
+}
+
+/// Waits until a statement in `db` waits on a row lock.
+pub async fn wait_for_lock_wait(db: &TestDb) {
+    for _ in 0..100 {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND wait_event_type = 'Lock'",
+        )
+        .bind(&db.name)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("no statement ever waited on the lock");
+}

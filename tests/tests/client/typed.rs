@@ -5,7 +5,7 @@ use std::time::Duration;
 use idempotency_client::{
     Acquisition, ClientOptions, Error, RecordState, RetryPolicy, StoredResponse,
 };
-use idempotency_tests::{TcpProxy, TestDb, TestServer, server_pool, test_config};
+use idempotency_tests::{TestDb, TestServer};
 
 use crate::support::*;
 
@@ -138,15 +138,7 @@ async fn dropping_an_unfinished_lease_releases_the_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transient_outages_are_retried_within_the_policy() {
     let db = TestDb::new().await;
-    let options = db.connect_options();
-    let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
-        .await
-        .unwrap()
-        .next()
-        .unwrap();
-    let proxy = TcpProxy::start(upstream).await;
-    let pool = server_pool(options.host("127.0.0.1").port(proxy.addr.port()));
-    let server = TestServer::start_with(test_config(), pool).await;
+    let (server, proxy) = idempotency_tests::server_behind_proxy(&db).await;
     let patient = client_of(&server).with_options(ClientOptions {
         timeout: Duration::from_secs(2),
         retry: RetryPolicy {

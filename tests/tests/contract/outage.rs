@@ -3,9 +3,7 @@
 use std::time::Duration;
 
 use idempotency_client::pb;
-use idempotency_tests::{
-    TcpProxy, TestDb, TestServer, record_id, response, server_pool, test_config, unique_key,
-};
+use idempotency_tests::{TestDb, TestServer, record_id, response, test_config, unique_key};
 use tonic::{Code, transport::Channel};
 use tonic_health::pb::{
     HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
@@ -42,15 +40,7 @@ pub async fn wait_for_health(health: &mut HealthClient<Channel>, expected: Servi
 async fn while_the_database_is_down_calls_are_unavailable_and_health_is_not_serving_then_both_recover()
  {
     let db = TestDb::new().await;
-    let options = db.connect_options();
-    let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
-        .await
-        .unwrap()
-        .next()
-        .unwrap();
-    let proxy = TcpProxy::start(upstream).await;
-    let pool = server_pool(options.host("127.0.0.1").port(proxy.addr.port()));
-    let server = TestServer::start_with(test_config(), pool).await;
+    let (server, proxy) = idempotency_tests::server_behind_proxy(&db).await;
     let mut client = server.client.clone();
     let mut health = HealthClient::new(TestServer::channel_to(server.addr).await);
     wait_for_health(&mut health, ServingStatus::Serving).await;
@@ -119,18 +109,13 @@ async fn an_exhausted_pool_answers_unavailable_instead_of_hanging() {
     let id = record_id(&unique_key("exhausted"));
     let t = token(&acquire(&mut client, &id, b"fp").await);
     // A Complete stuck behind a row lock holds the only connection.
-    let mut blocker = db.pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM idempotency_records WHERE key = $1 FOR UPDATE")
-        .bind(&id.key)
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
+    let blocker = idempotency_tests::lock_record(&db, &id.key).await;
     let stuck = tokio::spawn({
         let mut client = client.clone();
         let id = id.clone();
         async move { complete(&mut client, &id, t, response(201, "stuck")).await }
     });
-    crate::shutdown::wait_for_lock_wait(&db).await;
+    idempotency_tests::wait_for_lock_wait(&db).await;
 
     let other = acquire_request_raw(&mut client, &record_id(&unique_key("other"))).await;
 

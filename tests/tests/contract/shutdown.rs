@@ -15,18 +15,13 @@ async fn an_in_flight_call_finishes_after_the_shutdown_signal_and_new_calls_are_
     let t = token(&acquire(&mut client, &id, b"fp").await);
     // Hold the row lock so that the Complete below is still running in the
     // database when the signal arrives.
-    let mut blocker = db.pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM idempotency_records WHERE key = $1 FOR UPDATE")
-        .bind(&id.key)
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
+    let blocker = idempotency_tests::lock_record(&db, &id.key).await;
     let in_flight = tokio::spawn({
         let mut client = client.clone();
         let id = id.clone();
         async move { complete(&mut client, &id, t, response(201, "drained")).await }
     });
-    wait_for_lock_wait(&db).await;
+    idempotency_tests::wait_for_lock_wait(&db).await;
 
     let mut server = server;
     server.signal_shutdown();
@@ -54,54 +49,4 @@ async fn an_in_flight_call_finishes_after_the_shutdown_signal_and_new_calls_are_
             .await
             .unwrap();
     assert_eq!(completed, "completed");
-}
-
-/// Waits until a statement of the server waits on a row lock.
-pub async fn wait_for_lock_wait(db: &TestDb) {
-    for _ in 0..100 {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND wait_event_type = 'Lock'",
-        )
-        .bind(&db.name)
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-        if waiting > 0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("the Complete never reached the database");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn draining_is_bounded_by_the_drain_timeout_even_when_a_call_is_stuck() {
-    let db = TestDb::new().await;
-    let config = idempotency_server::startup::ServerConfig {
-        drain_timeout: Duration::from_millis(300),
-        ..idempotency_tests::test_config()
-    };
-    let mut server =
-        TestServer::start_with(config, idempotency_tests::server_pool(db.connect_options())).await;
-    let mut client = server.client.clone();
-    let id = record_id(&unique_key("stuck"));
-    let t = token(&acquire(&mut client, &id, b"fp").await);
-    let mut blocker = db.pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM idempotency_records WHERE key = $1 FOR UPDATE")
-        .bind(&id.key)
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
-    let _stuck =
-        tokio::spawn(async move { complete(&mut client, &id, t, response(201, "stuck")).await });
-    wait_for_lock_wait(&db).await;
-
-    server.signal_shutdown();
-
-    // The stuck statement would run until the 5 s statement timeout; the
-    // server must stop well before, while the lock is still held.
-    tokio::time::timeout(Duration::from_secs(4), server.stop())
-        .await
-        .expect("the server stopped within its drain timeout");
-    blocker.rollback().await.unwrap();
 }
