@@ -50,3 +50,30 @@ async fn an_in_flight_call_finishes_after_the_shutdown_signal_and_new_calls_are_
             .unwrap();
     assert_eq!(completed, "completed");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draining_is_bounded_by_the_drain_timeout_even_when_a_call_is_stuck() {
+    let db = TestDb::new().await;
+    let config = idempotency_server::startup::ServerConfig {
+        drain_timeout: Duration::from_millis(300),
+        ..idempotency_tests::test_config()
+    };
+    let mut server =
+        TestServer::start_with(config, idempotency_tests::server_pool(db.connect_options())).await;
+    let mut client = server.client.clone();
+    let id = record_id(&unique_key("stuck"));
+    let t = token(&acquire(&mut client, &id, b"fp").await);
+    let blocker = idempotency_tests::lock_record(&db, &id.key).await;
+    let _stuck =
+        tokio::spawn(async move { complete(&mut client, &id, t, response(201, "stuck")).await });
+    idempotency_tests::wait_for_lock_wait(&db).await;
+
+    server.signal_shutdown();
+
+    // The stuck statement would run until the 5 s statement timeout; the
+    // server must stop well before, while the lock is still held.
+    tokio::time::timeout(Duration::from_secs(4), server.stop())
+        .await
+        .expect("the server stopped within its drain timeout");
+    blocker.rollback().await.unwrap();
+}
