@@ -2,7 +2,7 @@
 
 use sqlx::PgPool;
 
-use super::{RecordRow, StoreResult};
+use super::{RecordRow, Store, StoreResult};
 use crate::domain::{RecordId, Timestamp};
 
 /// Deletes one record whatever its state, so that its key is free at once.
@@ -21,20 +21,9 @@ pub async fn purge(pool: &PgPool, id: &RecordId) -> StoreResult<bool> {
     Ok(result.rows_affected() > 0)
 }
 
-/// Reads a record with the size of its stored response.
+/// Reads a record, expired or not, with the size of its stored response.
 pub async fn get(pool: &PgPool, id: &RecordId) -> StoreResult<Option<(RecordRow, i64)>> {
-    let row = sqlx::query_as::<_, RecordRow>(
-        "SELECT state, fingerprint, fencing_token, created_at, expires_at, lease_expires_at,
-                completed_at, response_status, response_body, response_headers, now() AS db_now
-         FROM idempotency_records
-         WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4",
-    )
-    .bind(id.namespace())
-    .bind(id.operation())
-    .bind(id.subject())
-    .bind(id.key())
-    .fetch_optional(pool)
-    .await?;
+    let row = Store::new(pool.clone()).read(id).await?;
     Ok(row.map(|row| {
         let size = row.response().ok().flatten().map_or(0, |r| r.size() as i64);
         (row, size)
