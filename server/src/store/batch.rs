@@ -6,7 +6,13 @@
 //! becomes free. A lone call runs at once; under load, calls queue while the
 //! workers' statements run, and the next statement takes them all.
 
-use std::{collections::HashSet, future::Future, pin::Pin, sync::Arc};
+use std::{
+    collections::HashSet,
+    future::Future,
+    hash::{BuildHasher, RandomState},
+    pin::Pin,
+    sync::Arc,
+};
 
 use tokio::sync::{Mutex, mpsc, oneshot};
 
@@ -14,13 +20,13 @@ use super::{StoreError, StoreResult};
 use crate::domain::RecordId;
 
 /// A call that can share a statement with others for different records.
-pub trait Batchable: Send + 'static {
+pub trait Batchable: Send + Sync + 'static {
     /// The record it touches; a statement holds each record once.
     fn record(&self) -> &RecordId;
 }
 
 type Execute<I, O> =
-    dyn Fn(Vec<I>) -> Pin<Box<dyn Future<Output = StoreResult<Vec<O>>> + Send>> + Send + Sync;
+    dyn Fn(Arc<[I]>) -> Pin<Box<dyn Future<Output = StoreResult<Vec<O>>> + Send>> + Send + Sync;
 
 struct Job<I, O> {
     input: I,
@@ -55,7 +61,7 @@ impl<I: Batchable + Clone, O: Send + 'static> Batcher<I, O> {
     /// and answers in the same order.
     pub fn spawn<E, F>(name: &'static str, settings: BatchSettings, execute: E) -> Self
     where
-        E: Fn(Vec<I>) -> F + Send + Sync + 'static,
+        E: Fn(Arc<[I]>) -> F + Send + Sync + 'static,
         F: Future<Output = StoreResult<Vec<O>>> + Send + 'static,
     {
         let execute: Arc<Execute<I, O>> = Arc::new(move |inputs| Box::pin(execute(inputs)));
@@ -95,13 +101,17 @@ async fn work<I: Batchable + Clone, O>(
     max_size: usize,
 ) {
     let mut deferred: Vec<Job<I, O>> = Vec::new();
+    let hasher = RandomState::new();
+    let record_hash = |input: &I| hasher.hash_one(input.record());
     loop {
         let mut jobs = Vec::with_capacity(max_size);
+        // Hashes, not copies, of the records in the batch: a collision only
+        // defers a call to the next statement, which is always correct.
         let mut records = HashSet::new();
         // Calls for a record already in the batch wait for the next one, so
         // they see what the first did.
         for job in std::mem::take(&mut deferred) {
-            if jobs.len() < max_size && records.insert(job.input.record().clone()) {
+            if jobs.len() < max_size && records.insert(record_hash(&job.input)) {
                 jobs.push(job);
             } else {
                 deferred.push(job);
@@ -112,11 +122,11 @@ async fn work<I: Batchable + Clone, O>(
             let Some(first) = queue.recv().await else {
                 return; // The batcher was dropped.
             };
-            records.insert(first.input.record().clone());
+            records.insert(record_hash(&first.input));
             jobs.push(first);
             while jobs.len() < max_size {
                 let Ok(job) = queue.try_recv() else { break };
-                if records.insert(job.input.record().clone()) {
+                if records.insert(record_hash(&job.input)) {
                     jobs.push(job);
                 } else {
                     deferred.push(job);
@@ -130,12 +140,14 @@ async fn work<I: Batchable + Clone, O>(
 }
 
 async fn run_batch<I: Clone, O>(execute: &Arc<Execute<I, O>>, jobs: Vec<Job<I, O>>) {
-    let inputs: Vec<I> = jobs.iter().map(|job| job.input.clone()).collect();
+    // The inputs move into the statement; the replies stay here.
+    let (inputs, replies): (Vec<I>, Vec<_>) = jobs.into_iter().map(|j| (j.input, j.reply)).unzip();
+    let inputs: Arc<[I]> = inputs.into();
     let size = inputs.len();
-    match execute(inputs).await {
+    match execute(inputs.clone()).await {
         Ok(outputs) if outputs.len() == size => {
-            for (job, output) in jobs.into_iter().zip(outputs) {
-                let _ = job.reply.send(Ok(output));
+            for (reply, output) in replies.into_iter().zip(outputs) {
+                let _ = reply.send(Ok(output));
             }
         }
         Ok(outputs) => {
@@ -143,27 +155,27 @@ async fn run_batch<I: Clone, O>(execute: &Arc<Execute<I, O>>, jobs: Vec<Job<I, O
                 "a batch of {size} answered {} results",
                 outputs.len()
             ));
-            for job in jobs {
-                let _ = job.reply.send(Err(error.clone()));
+            for reply in replies {
+                let _ = reply.send(Err(error.clone()));
             }
         }
         // Not the database's health: one call's row may be to blame. Run
         // each alone so the error stays with the rows it concerns.
         Err(StoreError::Internal(_)) if size > 1 => {
-            for job in jobs {
-                let result = execute(vec![job.input.clone()])
+            for (input, reply) in inputs.iter().zip(replies) {
+                let result = execute(Arc::from([input.clone()]))
                     .await
                     .and_then(|mut outputs| {
                         outputs
                             .pop()
                             .ok_or_else(|| StoreError::Corrupt("no result".into()))
                     });
-                let _ = job.reply.send(result);
+                let _ = reply.send(result);
             }
         }
         Err(error) => {
-            for job in jobs {
-                let _ = job.reply.send(Err(error.clone()));
+            for reply in replies {
+                let _ = reply.send(Err(error.clone()));
             }
         }
     }
