@@ -9,6 +9,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = PathBuf::from(env::var("OUT_DIR")?);
     tonic_prost_build::configure()
         .build_client(false)
+        // Batch results carry google.rpc.Status: use tonic-types' generated type,
+        // the one tonic's richer error model already decodes.
+        .extern_path(".google.rpc", "::tonic_types::pb")
         .file_descriptor_set_path(out.join("idempotency_descriptor.bin"))
         .compile_protos(
             &["../proto/idempotency/v1/idempotency.proto"],

@@ -58,6 +58,11 @@ impl Engine {
         Self { store, limits }
     }
 
+    /// The server's policy on lifetimes and sizes.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
     pub async fn acquire(&self, request: AcquireRequest) -> Result<AcquireOutcome, Error> {
         let ttl = self.limits.ttl("ttl", request.ttl)?;
         let lease = self.limits.lease("lease", request.lease)?;

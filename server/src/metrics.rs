@@ -18,6 +18,7 @@ pub const DB_POOL_CONNECTIONS: &str = "idempotency_db_pool_connections";
 pub const DB_POOL_MAX_CONNECTIONS: &str = "idempotency_db_pool_max_connections";
 pub const DB_POOL_WAIT_SECONDS: &str = "idempotency_db_pool_wait_seconds";
 pub const DB_BATCH_SIZE: &str = "idempotency_db_batch_size";
+pub const BATCH_ITEMS: &str = "idempotency_batch_items";
 pub const DATABASE_UP: &str = "idempotency_database_up";
 pub const LEASE_TAKEOVERS_TOTAL: &str = "idempotency_lease_takeovers_total";
 pub const REPLAYS_TOTAL: &str = "idempotency_replays_total";
@@ -35,7 +36,8 @@ pub const REAPER_LAST_SUCCESS_TIMESTAMP_SECONDS: &str =
 pub fn describe() {
     describe_counter!(
         REQUESTS_TOTAL,
-        "gRPC calls answered, by RPC, outcome (cancelled: the caller went away) and namespace."
+        "gRPC calls answered, by RPC, outcome (cancelled: the caller went away) and namespace. \
+         Each item of a batch call counts as its unary RPC."
     );
     describe_histogram!(
         REQUEST_DURATION_SECONDS,
@@ -46,6 +48,11 @@ pub fn describe() {
         DB_QUERY_DURATION_SECONDS,
         Unit::Seconds,
         "Time of one database statement, by query, including the wait for a connection."
+    );
+    describe_histogram!(
+        BATCH_ITEMS,
+        "Items per BatchAcquire or BatchComplete call, by RPC. Each item also counts in \
+         idempotency_requests_total as its unary RPC (Acquire, Complete)."
     );
     describe_gauge!(
         DB_POOL_CONNECTIONS,

@@ -75,6 +75,9 @@ pub struct ServeArgs {
     /// Largest stored response in bytes (body plus header names and values).
     #[arg(long, env = "IDEMPOTENCY_MAX_RESPONSE_BYTES", default_value_t = 1024 * 1024)]
     pub max_response_bytes: usize,
+    /// Most items in one BatchAcquire or BatchComplete call.
+    #[arg(long, env = "IDEMPOTENCY_MAX_BATCH_ITEMS", default_value_t = 100)]
+    pub max_batch_items: usize,
 
     /// How often the database is probed for the health service.
     #[arg(long, env = "IDEMPOTENCY_HEALTH_CHECK_INTERVAL", default_value = "5s", value_parser = humantime::parse_duration)]
@@ -213,6 +216,7 @@ impl ServeArgs {
             default_lease: self.default_lease,
             max_lease: self.max_lease,
             max_response_bytes: self.max_response_bytes,
+            max_batch_items: self.max_batch_items,
         }
     }
 }

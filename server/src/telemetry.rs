@@ -46,6 +46,11 @@ pub fn metrics_handle() -> PrometheusHandle {
                     BATCH_SIZE_BUCKETS,
                 )
                 .expect("bucket list is not empty")
+                .set_buckets_for_metric(
+                    Matcher::Full(crate::metrics::BATCH_ITEMS.to_owned()),
+                    BATCH_SIZE_BUCKETS,
+                )
+                .expect("bucket list is not empty")
                 .install_recorder()
                 .expect("no other metrics recorder is installed");
             crate::metrics::describe();

@@ -11,6 +11,8 @@ pub struct Limits {
     pub max_lease: Duration,
     /// Largest stored response: body plus header names and values.
     pub max_response_bytes: usize,
+    /// Most items in one BatchAcquire or BatchComplete.
+    pub max_batch_items: usize,
 }
 
 /// Below a second a lease or lifetime is more likely a unit mistake than an intent.
@@ -24,6 +26,7 @@ impl Default for Limits {
             default_lease: Duration::from_secs(60),
             max_lease: Duration::from_secs(60 * 60),
             max_response_bytes: 1024 * 1024,
+            max_batch_items: 100,
         }
     }
 }
@@ -39,6 +42,9 @@ impl Limits {
                 "max_response_bytes",
                 "must be at least 1",
             ));
+        }
+        if self.max_batch_items == 0 {
+            return Err(InvalidField::new("max_batch_items", "must be at least 1"));
         }
         Ok(())
     }

@@ -8,8 +8,8 @@ use tonic::Code;
 use crate::{
     domain::AcquireOutcome,
     metrics::{
-        FINGERPRINT_MISMATCHES_TOTAL, LEASE_TAKEOVERS_TOTAL, NamespaceLabels, REPLAYS_TOTAL,
-        REQUEST_DURATION_SECONDS, REQUESTS_TOTAL, UNKNOWN_NAMESPACE,
+        BATCH_ITEMS, FINGERPRINT_MISMATCHES_TOTAL, LEASE_TAKEOVERS_TOTAL, NamespaceLabels,
+        REPLAYS_TOTAL, REQUEST_DURATION_SECONDS, REQUESTS_TOTAL, UNKNOWN_NAMESPACE,
     },
 };
 
@@ -92,6 +92,11 @@ impl Drop for CallMetrics<'_> {
         metrics::histogram!(REQUEST_DURATION_SECONDS, "rpc" => self.rpc, "outcome" => self.outcome)
             .record(self.started.elapsed().as_secs_f64());
     }
+}
+
+/// Records the size of an accepted batch call (its items count as unary calls).
+pub fn record_batch_items(rpc: &'static str, items: usize) {
+    metrics::histogram!(BATCH_ITEMS, "rpc" => rpc).record(items as f64);
 }
 
 fn code_outcome(code: Code) -> &'static str {

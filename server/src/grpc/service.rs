@@ -1,8 +1,18 @@
 //! One method per RPC: convert the request, call the engine, convert back.
+//! A batch RPC runs its items as the unary calls, concurrently, so that the
+//! store's group commit puts them in shared statements.
 
+use std::{collections::HashMap, future::Future};
+
+use futures_util::future::join_all;
 use tonic::{Request, Response, Status};
 
-use super::{convert, metrics::CallMetrics, pb, status::to_status};
+use super::{
+    convert,
+    metrics::{CallMetrics, record_batch_items},
+    pb,
+    status::{invalid_batch, to_rpc_status, to_status},
+};
 use crate::{engine::Engine, metrics::NamespaceLabels};
 
 pub use pb::idempotency_service_server::IdempotencyServiceServer;
@@ -18,18 +28,15 @@ impl GrpcService {
     pub fn new(engine: Engine, namespaces: NamespaceLabels) -> Self {
         Self { engine, namespaces }
     }
-}
 
-#[tonic::async_trait]
-impl pb::idempotency_service_server::IdempotencyService for GrpcService {
-    async fn acquire(
+    async fn acquire_one(
         &self,
-        request: Request<pb::AcquireRequest>,
-    ) -> Result<Response<pb::AcquireResponse>, Status> {
+        request: pb::AcquireRequest,
+    ) -> Result<pb::AcquireResponse, Status> {
         const RPC: &str = "Acquire";
         let mut call = CallMetrics::start(RPC, &self.namespaces);
         let result = async {
-            let request = convert::acquire_request(request.into_inner())?;
+            let request = convert::acquire_request(request)?;
             call.namespace(request.id.namespace());
             self.engine.acquire(request).await
         }
@@ -37,7 +44,7 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         match result {
             Ok(outcome) => {
                 call.acquire_outcome(&outcome);
-                Ok(Response::new(convert::acquire_response(outcome)))
+                Ok(convert::acquire_response(outcome))
             }
             Err(error) => {
                 let status = Err(to_status(RPC, error));
@@ -47,14 +54,13 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         }
     }
 
-    async fn complete(
+    async fn complete_one(
         &self,
-        request: Request<pb::CompleteRequest>,
-    ) -> Result<Response<pb::CompleteResponse>, Status> {
+        request: pb::CompleteRequest,
+    ) -> Result<pb::CompleteResponse, Status> {
         const RPC: &str = "Complete";
         let mut call = CallMetrics::start(RPC, &self.namespaces);
         let result = async {
-            let request = request.into_inner();
             let id = convert::record_id(request.id)?;
             call.namespace(id.namespace());
             let token = convert::fencing_token(request.fencing_token)?;
@@ -62,14 +68,49 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
             self.engine.complete(&id, token, &response).await
         }
         .await
-        .map(|completed_at| {
-            Response::new(pb::CompleteResponse {
-                completed_at: Some(convert::timestamp(completed_at)),
-            })
+        .map(|completed_at| pb::CompleteResponse {
+            completed_at: Some(convert::timestamp(completed_at)),
         })
         .map_err(|error| to_status(RPC, error));
         call.finish(&result);
         result
+    }
+
+    /// Refuses an empty or oversized batch before any item runs.
+    fn check_batch(&self, rpc: &'static str, items: usize) -> Result<(), Status> {
+        let max = self.engine.limits().max_batch_items;
+        let problem = if items == 0 {
+            "must hold at least one request".to_owned()
+        } else if items > max {
+            format!("holds {items} requests; the server takes at most {max}")
+        } else {
+            record_batch_items(rpc, items);
+            return Ok(());
+        };
+        let status = invalid_batch(problem);
+        CallMetrics::start(rpc, &self.namespaces).finish(&Err::<(), _>(status.clone()));
+        Err(status)
+    }
+}
+
+#[tonic::async_trait]
+impl pb::idempotency_service_server::IdempotencyService for GrpcService {
+    async fn acquire(
+        &self,
+        request: Request<pb::AcquireRequest>,
+    ) -> Result<Response<pb::AcquireResponse>, Status> {
+        self.acquire_one(request.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn complete(
+        &self,
+        request: Request<pb::CompleteRequest>,
+    ) -> Result<Response<pb::CompleteResponse>, Status> {
+        self.complete_one(request.into_inner())
+            .await
+            .map(Response::new)
     }
 
     async fn fail(
@@ -139,4 +180,101 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         call.finish(&result);
         result
     }
+
+    async fn batch_acquire(
+        &self,
+        request: Request<pb::BatchAcquireRequest>,
+    ) -> Result<Response<pb::BatchAcquireResponse>, Status> {
+        let requests = request.into_inner().requests;
+        self.check_batch("BatchAcquire", requests.len())?;
+        let answers = in_rounds(
+            requests,
+            |item| item.id.as_ref(),
+            |item| self.acquire_one(item),
+        )
+        .await;
+        use pb::batch_acquire_result::Result as Item;
+        let results = answers
+            .into_iter()
+            .map(|answer| pb::BatchAcquireResult {
+                result: Some(match answer {
+                    Ok(response) => Item::Response(response),
+                    Err(status) => Item::Error(to_rpc_status(&status)),
+                }),
+            })
+            .collect();
+        Ok(Response::new(pb::BatchAcquireResponse { results }))
+    }
+
+    async fn batch_complete(
+        &self,
+        request: Request<pb::BatchCompleteRequest>,
+    ) -> Result<Response<pb::BatchCompleteResponse>, Status> {
+        let requests = request.into_inner().requests;
+        self.check_batch("BatchComplete", requests.len())?;
+        let answers = in_rounds(
+            requests,
+            |item| item.id.as_ref(),
+            |item| self.complete_one(item),
+        )
+        .await;
+        use pb::batch_complete_result::Result as Item;
+        let results = answers
+            .into_iter()
+            .map(|answer| pb::BatchCompleteResult {
+                result: Some(match answer {
+                    Ok(response) => Item::Response(response),
+                    Err(status) => Item::Error(to_rpc_status(&status)),
+                }),
+            })
+            .collect();
+        Ok(Response::new(pb::BatchCompleteResponse { results }))
+    }
+}
+
+/// Runs a batch's items concurrently, except that items for the same record
+/// run one after the other, in the order given (the k-th item of a record
+/// runs in round k), whether or not the store batches statements. Answers
+/// come back in the items' order.
+async fn in_rounds<T, R, Fut>(
+    items: Vec<T>,
+    record: impl Fn(&T) -> Option<&pb::RecordId>,
+    run: impl Fn(T) -> Fut,
+) -> Vec<R>
+where
+    Fut: Future<Output = R>,
+{
+    let mut seen: HashMap<(&str, &str, &str, &str), usize> = HashMap::new();
+    let rounds: Vec<usize> = items
+        .iter()
+        .map(|item| {
+            let Some(id) = record(item) else { return 0 };
+            let key = (&*id.namespace, &*id.operation, &*id.subject, &*id.key);
+            let round = seen.entry(key).or_insert(0);
+            *round += 1;
+            *round - 1
+        })
+        .collect();
+    drop(seen);
+    let last_round = rounds.iter().copied().max().unwrap_or(0);
+    let mut items: Vec<Option<T>> = items.into_iter().map(Some).collect();
+    let mut answers: Vec<Option<R>> = items.iter().map(|_| None).collect();
+    for round in 0..=last_round {
+        let positions: Vec<usize> = (0..items.len()).filter(|&i| rounds[i] == round).collect();
+        // A round's items start in the same poll, so they queue for the
+        // same statement.
+        let round_answers = join_all(
+            positions
+                .iter()
+                .map(|&i| run(items[i].take().expect("each item runs once"))),
+        )
+        .await;
+        for (i, answer) in positions.into_iter().zip(round_answers) {
+            answers[i] = Some(answer);
+        }
+    }
+    answers
+        .into_iter()
+        .map(|answer| answer.expect("every item ran"))
+        .collect()
 }

@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 
+use prost::Message;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
@@ -28,6 +29,30 @@ pub mod reason {
 fn with_reason(code: Code, message: String, reason: &str) -> Status {
     let details = ErrorDetails::with_error_info(reason, DOMAIN, HashMap::new());
     Status::with_error_details(code, message, details)
+}
+
+/// A batch call that is empty or longer than the server's limit.
+pub fn invalid_batch(problem: String) -> Status {
+    let mut details = ErrorDetails::with_bad_request_violation("requests", problem.clone());
+    details.set_error_info(reason::INVALID_ARGUMENT, DOMAIN, HashMap::new());
+    Status::with_error_details(
+        Code::InvalidArgument,
+        format!("invalid requests: {problem}"),
+        details,
+    )
+}
+
+/// The `google.rpc.Status` of a failed batch item: exactly what the unary
+/// call would have sent in its `grpc-status-details-bin` trailer.
+pub fn to_rpc_status(status: &Status) -> tonic_types::pb::Status {
+    tonic_types::pb::Status::decode(status.details())
+        .ok()
+        .filter(|decoded| decoded.code == status.code() as i32)
+        .unwrap_or_else(|| tonic_types::pb::Status {
+            code: status.code() as i32,
+            message: status.message().to_owned(),
+            details: Vec::new(),
+        })
 }
 
 /// Converts an engine error into the status the caller sees. `rpc` goes to the log only.

@@ -4,6 +4,7 @@
 
 mod acquire;
 mod admin;
+mod batch;
 mod complete;
 mod fail;
 mod lease;

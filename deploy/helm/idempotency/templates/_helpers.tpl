@@ -117,6 +117,7 @@ IDEMPOTENCY_MAX_TTL: {{ $c.maxTtl | quote }}
 IDEMPOTENCY_DEFAULT_LEASE: {{ $c.defaultLease | quote }}
 IDEMPOTENCY_MAX_LEASE: {{ $c.maxLease | quote }}
 IDEMPOTENCY_MAX_RESPONSE_BYTES: {{ int64 $c.maxResponseBytes | toString | quote }}
+IDEMPOTENCY_MAX_BATCH_ITEMS: {{ int64 $c.maxBatchItems | toString | quote }}
 IDEMPOTENCY_DB_MAX_CONNECTIONS: {{ int64 $c.dbMaxConnections | toString | quote }}
 IDEMPOTENCY_DB_ACQUIRE_TIMEOUT: {{ $c.dbAcquireTimeout | quote }}
 IDEMPOTENCY_STATEMENT_TIMEOUT: {{ $c.statementTimeout | quote }}

@@ -1,0 +1,316 @@
+//! BatchAcquire and BatchComplete: each item is answered exactly as its unary
+//! call would be, in order, and a bad item fails alone.
+
+use std::sync::Arc;
+
+use idempotency_client::pb::{
+    self, acquire_response::Outcome, batch_acquire_result, batch_complete_result,
+};
+use idempotency_server::startup::ServerConfig;
+use idempotency_tests::{
+    TestDb, TestServer, record_id, response, server_pool, test_config, unique_key,
+};
+use prost::Message;
+use tokio::sync::Barrier;
+use tonic::{Code, Status, codegen::Bytes};
+use tonic_types::StatusExt;
+
+use crate::support::*;
+
+fn acquire_item(id: &pb::RecordId, fingerprint: &[u8]) -> pb::AcquireRequest {
+    pb::AcquireRequest {
+        id: Some(id.clone()),
+        fingerprint: fingerprint.to_vec(),
+        ..Default::default()
+    }
+}
+
+fn complete_item(id: &pb::RecordId, fencing_token: u64) -> pb::CompleteRequest {
+    pb::CompleteRequest {
+        id: Some(id.clone()),
+        fencing_token,
+        response: Some(response(201, "{\"id\":1}")),
+    }
+}
+
+/// An item's `google.rpc.Status` as the `tonic::Status` a unary call carries.
+fn as_status(status: tonic_types::pb::Status) -> Status {
+    Status::with_details(
+        Code::from_i32(status.code),
+        status.message.clone(),
+        Bytes::from(status.encode_to_vec()),
+    )
+}
+
+async fn batch_acquire(
+    client: &mut Client,
+    requests: Vec<pb::AcquireRequest>,
+) -> Vec<Result<Outcome, Status>> {
+    let results = client
+        .batch_acquire(pb::BatchAcquireRequest { requests })
+        .await
+        .expect("BatchAcquire succeeds")
+        .into_inner()
+        .results;
+    results
+        .into_iter()
+        .map(|result| match result.result.expect("every item answered") {
+            batch_acquire_result::Result::Response(response) => {
+                Ok(response.outcome.expect("an outcome"))
+            }
+            batch_acquire_result::Result::Error(status) => Err(as_status(status)),
+        })
+        .collect()
+}
+
+async fn batch_complete(
+    client: &mut Client,
+    requests: Vec<pb::CompleteRequest>,
+) -> Vec<Result<pb::CompleteResponse, Status>> {
+    let results = client
+        .batch_complete(pb::BatchCompleteRequest { requests })
+        .await
+        .expect("BatchComplete succeeds")
+        .into_inner()
+        .results;
+    results
+        .into_iter()
+        .map(|result| match result.result.expect("every item answered") {
+            batch_complete_result::Result::Response(response) => Ok(response),
+            batch_complete_result::Result::Error(status) => Err(as_status(status)),
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn batch_acquire_answers_every_item_as_the_unary_call_in_order() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    every_item_answered_as_the_unary_call(&server).await;
+}
+
+#[tokio::test]
+async fn batch_acquire_keeps_the_order_of_a_records_items_without_group_commit_too() {
+    let db = TestDb::new().await;
+    let config = ServerConfig {
+        batching: None,
+        ..test_config()
+    };
+    let server = TestServer::start_with(config, server_pool(db.connect_options())).await;
+    every_item_answered_as_the_unary_call(&server).await;
+}
+
+async fn every_item_answered_as_the_unary_call(server: &TestServer) {
+    let mut client = server.client.clone();
+
+    let done = record_id(&unique_key("batch-done"));
+    let done_token = token(&acquire(&mut client, &done, b"fp").await);
+    complete(&mut client, &done, done_token, response(201, "{\"id\":1}"))
+        .await
+        .unwrap();
+    let fresh = record_id(&unique_key("batch-fresh"));
+    // Records sent twice each, so that running a record's items at the same
+    // time would show (the second item overtaking the first) often.
+    let twice: Vec<_> = (0..8)
+        .map(|_| record_id(&unique_key("batch-twice")))
+        .collect();
+    let mut bad = record_id(&unique_key("batch-bad"));
+    bad.key = "short".into();
+
+    let mut requests = vec![
+        acquire_item(&fresh, b"fp"),
+        acquire_item(&done, b"fp"),
+        acquire_item(&bad, b"fp"),
+        acquire_item(&done, b"other"),
+    ];
+    requests.extend(twice.iter().map(|id| acquire_item(id, b"fp")));
+    requests.extend(twice.iter().map(|id| acquire_item(id, b"fp")));
+    let results = batch_acquire(&mut client, requests).await;
+
+    assert_eq!(results.len(), 4 + 2 * twice.len());
+    assert_eq!(token(results[0].as_ref().unwrap()), 1);
+    match results[1].as_ref().unwrap() {
+        Outcome::Completed(completed) => {
+            assert_eq!(completed.response, Some(response(201, "{\"id\":1}")));
+        }
+        other => panic!("expected COMPLETED, got {other:?}"),
+    }
+    // The bad item fails alone, with the unary call's code, reason and field.
+    let status = assert_error(
+        results[2].clone().map(drop),
+        Code::InvalidArgument,
+        "INVALID_ARGUMENT",
+    );
+    let field = status.get_details_bad_request().unwrap().field_violations[0]
+        .field
+        .clone();
+    assert_eq!(field, "id.key");
+    assert!(matches!(
+        results[3].as_ref().unwrap(),
+        Outcome::FingerprintMismatch(_)
+    ));
+    // The same record twice in one batch: the first holds it, the second
+    // sees the first's attempt, as two unary calls one after the other would.
+    for (first, second) in results[4..4 + twice.len()]
+        .iter()
+        .zip(&results[4 + twice.len()..])
+    {
+        assert_eq!(token(first.as_ref().unwrap()), 1);
+        assert!(
+            matches!(second.as_ref().unwrap(), Outcome::InProgress(_)),
+            "{second:?}"
+        );
+    }
+    // Nothing was written for the bad item; the good ones are there.
+    assert!(get(&mut client, &fresh).await.is_ok());
+    assert_error(
+        get(&mut client, &bad).await,
+        Code::InvalidArgument,
+        "INVALID_ARGUMENT",
+    );
+}
+
+#[tokio::test]
+async fn batch_complete_answers_every_item_as_the_unary_call() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let mut client = server.client.clone();
+
+    let first = record_id(&unique_key("bc-first"));
+    let second = record_id(&unique_key("bc-second"));
+    let first_token = token(&acquire(&mut client, &first, b"fp").await);
+    let second_token = token(&acquire(&mut client, &second, b"fp").await);
+    let never = record_id(&unique_key("bc-never"));
+
+    let results = batch_complete(
+        &mut client,
+        vec![
+            complete_item(&first, first_token),
+            complete_item(&second, second_token + 1),
+            complete_item(&never, 1),
+            complete_item(&second, 0),
+        ],
+    )
+    .await;
+
+    assert!(results[0].as_ref().unwrap().completed_at.is_some());
+    assert_error(results[1].clone(), Code::Aborted, "STALE_FENCING_TOKEN");
+    assert_error(results[2].clone(), Code::NotFound, "RECORD_NOT_FOUND");
+    assert_error(
+        results[3].clone(),
+        Code::InvalidArgument,
+        "INVALID_ARGUMENT",
+    );
+    // The stale item changed nothing: the attempt still holds the key.
+    let record = get(&mut client, &second).await.unwrap();
+    assert_eq!(record.state, pb::RecordState::InProgress as i32);
+    match acquire(&mut client, &first, b"fp").await {
+        Outcome::Completed(_) => {}
+        other => panic!("expected COMPLETED, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn an_empty_or_oversized_batch_is_refused_whole_and_writes_nothing() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let mut client = server.client.clone();
+
+    let empty = client
+        .batch_acquire(pb::BatchAcquireRequest { requests: vec![] })
+        .await;
+    let status = assert_error(empty, Code::InvalidArgument, "INVALID_ARGUMENT");
+    assert_eq!(
+        status.get_details_bad_request().unwrap().field_violations[0].field,
+        "requests"
+    );
+
+    let max = idempotency_server::domain::Limits::default().max_batch_items;
+    let ids: Vec<_> = (0..=max)
+        .map(|_| record_id(&unique_key("oversized")))
+        .collect();
+    let oversized = client
+        .batch_acquire(pb::BatchAcquireRequest {
+            requests: ids.iter().map(|id| acquire_item(id, b"fp")).collect(),
+        })
+        .await;
+    let status = assert_error(oversized, Code::InvalidArgument, "INVALID_ARGUMENT");
+    assert!(status.message().contains(&max.to_string()), "{status:?}");
+    let completes = client
+        .batch_complete(pb::BatchCompleteRequest {
+            requests: ids.iter().map(|id| complete_item(id, 1)).collect(),
+        })
+        .await;
+    assert_error(completes, Code::InvalidArgument, "INVALID_ARGUMENT");
+    assert_eq!(db.row_count().await, 0);
+
+    // At the limit it is accepted.
+    let results = batch_acquire(
+        &mut client,
+        ids[..max]
+            .iter()
+            .map(|id| acquire_item(id, b"fp"))
+            .collect(),
+    )
+    .await;
+    assert!(
+        results
+            .iter()
+            .all(|result| matches!(result, Ok(Outcome::Acquired(_))))
+    );
+}
+
+/// Many batches, each holding every key, sent at the same moment over
+/// several connections: exactly one item in all of them acquires each key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_batches_over_the_same_keys_give_exactly_one_holder_per_key() {
+    const BATCHES: usize = 32;
+    const KEYS: usize = 20;
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let ids: Arc<Vec<pb::RecordId>> = Arc::new(
+        (0..KEYS)
+            .map(|_| record_id(&unique_key("batch-race")))
+            .collect(),
+    );
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        clients.push(server.new_client().await);
+    }
+    let barrier = Arc::new(Barrier::new(BATCHES));
+    let tasks: Vec<_> = (0..BATCHES)
+        .map(|batch| {
+            let mut client = clients[batch % clients.len()].clone();
+            let (barrier, ids) = (barrier.clone(), ids.clone());
+            tokio::spawn(async move {
+                // Each batch in its own order, so rows meet in every order.
+                let mut order: Vec<usize> = (0..KEYS).collect();
+                order.rotate_left(batch % KEYS);
+                if batch % 2 == 1 {
+                    order.reverse();
+                }
+                let requests = order
+                    .iter()
+                    .map(|&i| acquire_item(&ids[i], b"fp"))
+                    .collect();
+                barrier.wait().await;
+                let results = batch_acquire(&mut client, requests).await;
+                order.into_iter().zip(results).collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let mut holders = vec![0; KEYS];
+    for task in tasks {
+        for (key, result) in task.await.unwrap() {
+            match result.expect("no item fails") {
+                Outcome::Acquired(acquired) => {
+                    assert_eq!(acquired.fencing_token, 1);
+                    holders[key] += 1;
+                }
+                Outcome::InProgress(_) => {}
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+    assert_eq!(holders, vec![1; KEYS]);
+}
