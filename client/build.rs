@@ -8,6 +8,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     tonic_prost_build::configure()
         .build_server(false)
+        // Batch results carry google.rpc.Status: use tonic-types' generated type,
+        // the one tonic's richer error model already decodes.
+        .extern_path(".google.rpc", "::tonic_types::pb")
         .compile_protos(
             &["../proto/idempotency/v1/idempotency.proto"],
             &["../proto"],

@@ -22,7 +22,7 @@ use std::{
 use anyhow::{Context, bail};
 use clap::{Parser, ValueEnum};
 use idempotency_client::{
-    AcquireRequest, Acquisition, Client, Error, RecordId, RetryPolicy, StoredResponse,
+    AcquireRequest, Acquisition, Batching, Client, Error, RecordId, RetryPolicy, StoredResponse,
 };
 use serde_json::json;
 use stats::{
@@ -125,6 +125,13 @@ struct Cli {
     /// earlier run; do not prepare them (nothing is written before the timed part).
     #[arg(long, requires = "key_prefix")]
     skip_prepare: bool,
+    /// Client-side batching: requests of one kind each client keeps on the
+    /// wire before calls wait and share a batch RPC (the client's default).
+    #[arg(long, default_value_t = Batching::default().max_in_flight as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    batch_in_flight: u64,
+    /// Every call its own RPC (no client-side batching).
+    #[arg(long)]
+    no_batching: bool,
     /// Deadline of each call.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     timeout: Duration,
@@ -340,6 +347,10 @@ async fn main() -> anyhow::Result<()> {
             .endpoint(cli.endpoint.clone())
             .timeout(cli.timeout)
             .retry(RetryPolicy::none())
+            .batching((!cli.no_batching).then(|| Batching {
+                max_in_flight: cli.batch_in_flight as usize,
+                ..Batching::default()
+            }))
             .connect()
             .await
             .with_context(|| format!("connecting to {}", cli.endpoint))?;
@@ -446,6 +457,7 @@ async fn main() -> anyhow::Result<()> {
             "endpoint": cli.endpoint,
             "concurrency": cli.concurrency,
             "connections": cli.connections,
+            "batching": if cli.no_batching { serde_json::Value::Null } else { serde_json::json!({"max_in_flight": cli.batch_in_flight}) },
             "payload_bytes": cli.payload_bytes,
             "keys": keys,
             "mix": format!("{}:{}", cli.mix.new, cli.mix.replay),

@@ -13,6 +13,7 @@ use tonic::{
 };
 
 use crate::{
+    batching::{BatchRpc, Batcher, Batching},
     error::{Error, is_transient},
     lease::{Acquisition, Lease},
     pb::{self, idempotency_service_client::IdempotencyServiceClient},
@@ -77,6 +78,9 @@ pub struct ClientOptions {
     pub timeout: Duration,
     /// Retries of transient errors.
     pub retry: RetryPolicy,
+    /// How concurrent Acquires and Completes share calls; `None`: each call
+    /// is its own RPC.
+    pub batching: Option<Batching>,
 }
 
 impl Default for ClientOptions {
@@ -84,6 +88,7 @@ impl Default for ClientOptions {
         Self {
             timeout: Duration::from_secs(10),
             retry: RetryPolicy::default(),
+            batching: Some(Batching::default()),
         }
     }
 }
@@ -99,6 +104,22 @@ pub struct Client {
 struct Inner {
     stub: IdempotencyServiceClient<Channel>,
     options: ClientOptions,
+    acquires: Option<Arc<Batcher<pb::AcquireRequest>>>,
+    completes: Option<Arc<Batcher<pb::CompleteRequest>>>,
+}
+
+impl Inner {
+    fn new(channel_stub: IdempotencyServiceClient<Channel>, options: ClientOptions) -> Self {
+        // Batch replies carry up to 100 stored responses: no 4 MiB cap.
+        let stub = channel_stub.max_decoding_message_size(usize::MAX);
+        let batching = options.batching.as_ref();
+        Self {
+            acquires: batching.map(|b| Batcher::new(stub.clone(), b.clone(), options.timeout)),
+            completes: batching.map(|b| Batcher::new(stub.clone(), b.clone(), options.timeout)),
+            stub,
+            options,
+        }
+    }
 }
 
 impl Client {
@@ -115,20 +136,17 @@ impl Client {
     /// Wraps a channel you built yourself.
     pub fn from_channel(channel: Channel) -> Self {
         Self {
-            inner: Arc::new(Inner {
-                stub: IdempotencyServiceClient::new(channel),
-                options: ClientOptions::default(),
-            }),
+            inner: Arc::new(Inner::new(
+                IdempotencyServiceClient::new(channel),
+                ClientOptions::default(),
+            )),
         }
     }
 
     /// The same connection with other options.
     pub fn with_options(self, options: ClientOptions) -> Self {
         Self {
-            inner: Arc::new(Inner {
-                stub: self.inner.stub.clone(),
-                options,
-            }),
+            inner: Arc::new(Inner::new(self.inner.stub.clone(), options)),
         }
     }
 
@@ -139,12 +157,8 @@ impl Client {
 
     /// Reserves a key, or tells why not to run the business logic now.
     pub async fn acquire(&self, request: &AcquireRequest) -> Result<Acquisition, Error> {
-        let message = request.to_pb();
         let response = self
-            .call(|mut stub, timeout| {
-                let message = with_timeout(message.clone(), timeout);
-                async move { stub.acquire(message).await }
-            })
+            .batched(self.inner.acquires.as_ref(), request.to_pb())
             .await?;
         use pb::acquire_response::Outcome;
         Ok(match response.outcome {
@@ -211,12 +225,9 @@ impl Client {
             fencing_token,
             response: Some(response.to_pb()),
         };
-        self.call(|mut stub, timeout| {
-            let message = with_timeout(message.clone(), timeout);
-            async move { stub.complete(message).await }
-        })
-        .await
-        .map(drop)
+        self.batched(self.inner.completes.as_ref(), message)
+            .await
+            .map(drop)
     }
 
     pub(crate) async fn fail(
@@ -257,11 +268,39 @@ impl Client {
         .await
     }
 
-    /// Makes one call with the per-attempt deadline, retrying transient errors.
+    /// Makes a call through its batcher when batching is on, else alone.
+    async fn batched<R: BatchRpc + Send>(
+        &self,
+        batcher: Option<&Arc<Batcher<R>>>,
+        message: R,
+    ) -> Result<R::Response, Error> {
+        match batcher {
+            Some(batcher) => self.attempts(|_, _| batcher.call(message.clone())).await,
+            None => {
+                self.attempts(|stub, timeout| R::unary(stub, message.clone(), timeout))
+                    .await
+            }
+        }
+    }
+
+    /// Makes one unary call with the per-attempt deadline, retrying transient errors.
     async fn call<T, F, Fut>(&self, mut attempt: F) -> Result<T, Error>
     where
         F: FnMut(IdempotencyServiceClient<Channel>, Duration) -> Fut,
         Fut: Future<Output = Result<Response<T>, Status>>,
+    {
+        self.attempts(|stub, timeout| {
+            let call = attempt(stub, timeout);
+            async move { call.await.map(Response::into_inner) }
+        })
+        .await
+    }
+
+    /// Runs attempts with the per-attempt deadline, retrying transient errors.
+    async fn attempts<T, F, Fut>(&self, mut attempt: F) -> Result<T, Error>
+    where
+        F: FnMut(IdempotencyServiceClient<Channel>, Duration) -> Fut,
+        Fut: Future<Output = Result<T, Status>>,
     {
         let options = &self.inner.options;
         let policy = &options.retry;
@@ -275,7 +314,7 @@ impl Client {
             )
             .await
             {
-                Ok(Ok(response)) => return Ok(response.into_inner()),
+                Ok(Ok(response)) => return Ok(response),
                 Ok(Err(status)) => status,
                 Err(_) => Status::deadline_exceeded("the call exceeded the client's timeout"),
             };
@@ -358,6 +397,13 @@ impl ClientBuilder {
     /// Retries of transient errors.
     pub fn retry(mut self, retry: RetryPolicy) -> Self {
         self.options.retry = retry;
+        self
+    }
+
+    /// How concurrent calls share RPCs (default: [`Batching::default`]);
+    /// `None` sends every call as its own RPC.
+    pub fn batching(mut self, batching: Option<Batching>) -> Self {
+        self.options.batching = batching;
         self
     }
 

@@ -50,6 +50,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod batching;
 mod client;
 mod error;
 pub mod fingerprint;
@@ -60,6 +61,7 @@ mod types;
 #[cfg(feature = "http")]
 pub mod http;
 
+pub use batching::Batching;
 pub use client::{Client, ClientBuilder, ClientOptions, RetryPolicy};
 pub use error::Error;
 pub use lease::{Acquisition, Lease};

@@ -87,6 +87,7 @@ async fn several_endpoints_are_balanced_and_one_going_away_is_survived() {
                 max_attempts: 10,
                 ..RetryPolicy::default()
             },
+            ..ClientOptions::default()
         });
     for n in 0..10 {
         let outcome = client

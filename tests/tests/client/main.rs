@@ -1,6 +1,7 @@
 //! The client crate end to end: the typed client, `Client::run`, and the
 //! HTTP layer, against the real server and a real Postgres.
 
+mod batching;
 mod connection;
 mod http_layer;
 mod run;

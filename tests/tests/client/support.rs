@@ -31,6 +31,7 @@ pub async fn client_of_nothing() -> Client {
                 max_backoff: Duration::from_millis(20),
                 max_elapsed: Duration::from_secs(1),
             },
+            ..ClientOptions::default()
         })
 }
 

@@ -147,6 +147,7 @@ async fn transient_outages_are_retried_within_the_policy() {
             max_backoff: Duration::from_millis(100),
             max_elapsed: Duration::from_secs(10),
         },
+        ..ClientOptions::default()
     });
     let impatient = patient.clone().with_options(ClientOptions {
         retry: RetryPolicy::none(),

@@ -1,0 +1,345 @@
+//! Client-side batching: Acquires (and Completes) made concurrently through
+//! one [`Client`](crate::Client) travel together in one `BatchAcquire`
+//! (`BatchComplete`) call. Each call still gets its own answer or error.
+//!
+//! There is no waiting window. A call that finds fewer than `max_in_flight`
+//! requests of its kind on the wire goes at once, alone, as the unary RPC, so
+//! a lightly loaded caller pays nothing. Calls made while `max_in_flight` are
+//! on the wire queue up; whichever request finishes first sends everything
+//! queued (up to `max_items`) as one batch. Under load this turns many small
+//! HTTP/2 messages into few large ones, and the server puts a batch's items
+//! in shared database statements.
+
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use futures_util::future::join_all;
+use prost::Message;
+use tonic::{Code, Status, codegen::Bytes, transport::Channel};
+
+use crate::pb::{self, idempotency_service_client::IdempotencyServiceClient};
+
+/// How concurrent calls of one [`Client`](crate::Client) are batched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Batching {
+    /// Requests of one kind (Acquire or Complete) on the wire at once; calls
+    /// beyond them wait and go together in the next batch.
+    pub max_in_flight: usize,
+    /// Most calls in one batch (the server refuses more than 100 by default).
+    pub max_items: usize,
+    /// Most encoded bytes in one batch; a call larger than a quarter of this
+    /// (a big response to store) always travels alone.
+    pub max_bytes: usize,
+}
+
+impl Default for Batching {
+    fn default() -> Self {
+        Self {
+            max_in_flight: 4,
+            max_items: 64,
+            max_bytes: 1024 * 1024,
+        }
+    }
+}
+
+type Stub = IdempotencyServiceClient<Channel>;
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+type ItemResult<R> = Result<R, Status>;
+
+/// A unary RPC with a batch form.
+pub(crate) trait BatchRpc: Message + Clone + Sized + 'static {
+    type Response: Send + 'static;
+    fn unary(stub: Stub, request: Self, timeout: Duration)
+    -> BoxFuture<ItemResult<Self::Response>>;
+    fn batch(
+        stub: Stub,
+        requests: Vec<Self>,
+        timeout: Duration,
+    ) -> BoxFuture<Result<Vec<ItemResult<Self::Response>>, Status>>;
+}
+
+struct Queued<R: BatchRpc> {
+    request: R,
+    bytes: usize,
+    reply: tokio::sync::oneshot::Sender<ItemResult<R::Response>>,
+}
+
+struct State<R: BatchRpc> {
+    queue: Vec<Queued<R>>,
+    in_flight: usize,
+}
+
+/// The batcher of one kind of call.
+pub(crate) struct Batcher<R: BatchRpc> {
+    stub: Stub,
+    settings: Batching,
+    timeout: Duration,
+    state: Mutex<State<R>>,
+    /// Set when the server does not know the batch RPC (an older version):
+    /// from then on every call goes alone.
+    unsupported: AtomicBool,
+}
+
+impl<R: BatchRpc> std::fmt::Debug for Batcher<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batcher")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<R: BatchRpc + Send> Batcher<R> {
+    pub(crate) fn new(stub: Stub, settings: Batching, timeout: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            stub,
+            settings: Batching {
+                max_in_flight: settings.max_in_flight.max(1),
+                max_items: settings.max_items.max(1),
+                max_bytes: settings.max_bytes.max(1),
+            },
+            timeout,
+            state: Mutex::new(State {
+                queue: Vec::new(),
+                in_flight: 0,
+            }),
+            unsupported: AtomicBool::new(false),
+        })
+    }
+
+    /// Sends `request` alone or in a batch, and returns its own answer.
+    pub(crate) async fn call(self: &Arc<Self>, request: R) -> ItemResult<R::Response> {
+        let bytes = request.encoded_len();
+        if bytes > self.settings.max_bytes / 4 || self.unsupported.load(Ordering::Relaxed) {
+            return R::unary(self.stub.clone(), request, self.timeout).await;
+        }
+        let mut request = Some(request);
+        let answer = {
+            let mut state = self.state.lock().expect("batcher lock");
+            if state.in_flight < self.settings.max_in_flight {
+                // A free slot means an empty queue: go now, alone.
+                state.in_flight += 1;
+                None
+            } else {
+                let (reply, answer) = tokio::sync::oneshot::channel();
+                state.queue.extend(request.take().map(|request| Queued {
+                    request,
+                    bytes,
+                    reply,
+                }));
+                Some(answer)
+            }
+        };
+        match (answer, request) {
+            (Some(answer), _) => answer.await.unwrap_or_else(|_| {
+                Err(Status::unavailable(
+                    "the batch carrying this call was dropped",
+                ))
+            }),
+            (None, request) => {
+                let request = request.expect("kept when not queued");
+                let _slot = Slot(self.clone());
+                R::unary(self.stub.clone(), request, self.timeout).await
+            }
+        }
+    }
+
+    /// Sends what is queued, batch after batch, until the queue is empty;
+    /// then gives its slot back.
+    async fn drain(self: Arc<Self>) {
+        let _slot = Slot(self.clone());
+        loop {
+            let batch = self.take_batch();
+            if batch.is_empty() {
+                return;
+            }
+            self.send(batch).await;
+        }
+    }
+
+    fn take_batch(&self) -> Vec<Queued<R>> {
+        let mut state = self.state.lock().expect("batcher lock");
+        // Calls whose caller went away are not sent.
+        state.queue.retain(|queued| !queued.reply.is_closed());
+        let mut bytes = 0;
+        let mut count = 0;
+        for queued in &state.queue {
+            if count == self.settings.max_items
+                || (count > 0 && bytes + queued.bytes > self.settings.max_bytes)
+            {
+                break;
+            }
+            bytes += queued.bytes;
+            count += 1;
+        }
+        state.queue.drain(..count).collect()
+    }
+
+    async fn send(&self, mut batch: Vec<Queued<R>>) {
+        if batch.len() == 1 {
+            let Queued { request, reply, .. } = batch.remove(0);
+            let _ = reply.send(R::unary(self.stub.clone(), request, self.timeout).await);
+            return;
+        }
+        let (requests, replies): (Vec<R>, Vec<_>) = batch
+            .into_iter()
+            .map(|queued| (queued.request, queued.reply))
+            .unzip();
+        let count = requests.len();
+        match R::batch(self.stub.clone(), requests.clone(), self.timeout).await {
+            Ok(results) if results.len() == count => {
+                for (reply, result) in replies.into_iter().zip(results) {
+                    let _ = reply.send(result);
+                }
+            }
+            Ok(results) => {
+                let status = Status::internal(format!(
+                    "a batch of {count} calls was answered with {} results",
+                    results.len()
+                ));
+                for reply in replies {
+                    let _ = reply.send(Err(status.clone()));
+                }
+            }
+            Err(status) if status.code() == Code::Unimplemented => {
+                tracing::info!("the idempotency service has no batch RPCs; sending calls alone");
+                self.unsupported.store(true, Ordering::Relaxed);
+                let calls = requests.into_iter().zip(replies).map(|(request, reply)| {
+                    let stub = self.stub.clone();
+                    async move {
+                        let _ = reply.send(R::unary(stub, request, self.timeout).await);
+                    }
+                });
+                join_all(calls).await;
+            }
+            Err(status) => {
+                for reply in replies {
+                    let _ = reply.send(Err(status.clone()));
+                }
+            }
+        }
+    }
+}
+
+/// A request slot on the wire. Given back on drop, even when the caller's
+/// future is cancelled; calls queued meanwhile are handed to a drain task
+/// that inherits the slot, so none waits for a slot nobody will free.
+struct Slot<R: BatchRpc + Send>(Arc<Batcher<R>>);
+
+impl<R: BatchRpc + Send> Drop for Slot<R> {
+    fn drop(&mut self) {
+        let batcher = &self.0;
+        let mut state = batcher.state.lock().expect("batcher lock");
+        if !state.queue.is_empty()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            drop(state);
+            runtime.spawn(batcher.clone().drain());
+            return;
+        }
+        state.in_flight -= 1;
+        // No runtime to drain with (the process is shutting down): the queued
+        // calls' senders drop with the queue and their callers see an error.
+        if state.in_flight == 0 {
+            state.queue.clear();
+        }
+    }
+}
+
+/// A failed item's `google.rpc.Status`, as the status the unary call would
+/// have failed with (its details keep ErrorInfo and BadRequest).
+fn item_status(status: tonic_types::pb::Status) -> Status {
+    let code = Code::from_i32(status.code);
+    let message = status.message.clone();
+    Status::with_details(code, message, Bytes::from(status.encode_to_vec()))
+}
+
+fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.set_timeout(timeout);
+    request
+}
+
+impl BatchRpc for pb::AcquireRequest {
+    type Response = pb::AcquireResponse;
+
+    fn unary(
+        mut stub: Stub,
+        request: Self,
+        timeout: Duration,
+    ) -> BoxFuture<ItemResult<Self::Response>> {
+        Box::pin(async move {
+            stub.acquire(with_timeout(request, timeout))
+                .await
+                .map(tonic::Response::into_inner)
+        })
+    }
+
+    fn batch(
+        mut stub: Stub,
+        requests: Vec<Self>,
+        timeout: Duration,
+    ) -> BoxFuture<Result<Vec<ItemResult<Self::Response>>, Status>> {
+        Box::pin(async move {
+            let response = stub
+                .batch_acquire(with_timeout(pb::BatchAcquireRequest { requests }, timeout))
+                .await?
+                .into_inner();
+            use pb::batch_acquire_result::Result as Item;
+            Ok(response
+                .results
+                .into_iter()
+                .map(|result| match result.result {
+                    Some(Item::Response(response)) => Ok(response),
+                    Some(Item::Error(status)) => Err(item_status(status)),
+                    None => Err(Status::internal("a batch item was answered with nothing")),
+                })
+                .collect())
+        })
+    }
+}
+
+impl BatchRpc for pb::CompleteRequest {
+    type Response = pb::CompleteResponse;
+
+    fn unary(
+        mut stub: Stub,
+        request: Self,
+        timeout: Duration,
+    ) -> BoxFuture<ItemResult<Self::Response>> {
+        Box::pin(async move {
+            stub.complete(with_timeout(request, timeout))
+                .await
+                .map(tonic::Response::into_inner)
+        })
+    }
+
+    fn batch(
+        mut stub: Stub,
+        requests: Vec<Self>,
+        timeout: Duration,
+    ) -> BoxFuture<Result<Vec<ItemResult<Self::Response>>, Status>> {
+        Box::pin(async move {
+            let response = stub
+                .batch_complete(with_timeout(pb::BatchCompleteRequest { requests }, timeout))
+                .await?
+                .into_inner();
+            use pb::batch_complete_result::Result as Item;
+            Ok(response
+                .results
+                .into_iter()
+                .map(|result| match result.result {
+                    Some(Item::Response(response)) => Ok(response),
+                    Some(Item::Error(status)) => Err(item_status(status)),
+                    None => Err(Status::internal("a batch item was answered with nothing")),
+                })
+                .collect())
+        })
+    }
+}

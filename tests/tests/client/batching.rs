@@ -1,0 +1,306 @@
+//! Client-side batching: concurrent calls of one client share batch RPCs,
+//! each still gets its own answer or typed error, a cancelled call never
+//! strands the calls queued behind it, and an older server without batch
+//! RPCs is served call by call.
+
+use std::{sync::Arc, time::Duration};
+
+use idempotency_client::{
+    AcquireRequest, Acquisition, Batching, Client, Error, RecordId, RetryPolicy, StoredResponse,
+};
+use idempotency_server::{
+    domain::Limits,
+    engine::Engine,
+    grpc::{GrpcService, pb, service::IdempotencyServiceServer},
+    metrics::NamespaceLabels,
+    startup::ServerConfig,
+    store::Store,
+};
+use idempotency_tests::{
+    TestDb, TestServer, http_get, lock_record, metric_value, server_pool, test_config, unique_key,
+    wait_for_lock_wait,
+};
+use tokio::sync::Barrier;
+use tonic::{Request, Response, Status};
+
+use crate::support::request;
+
+const CALLERS: usize = 48;
+
+/// One request of each kind on the wire at a time, so that concurrent calls
+/// must queue and share batches.
+/// No retries either, so that a call the batching lost shows as an error.
+fn batching_client(addr: std::net::SocketAddr) -> Client {
+    Client::builder()
+        .endpoint(format!("http://{addr}"))
+        .batching(Some(Batching {
+            max_in_flight: 1,
+            ..Batching::default()
+        }))
+        .retry(RetryPolicy::none())
+        .connect_lazy()
+        .unwrap()
+}
+
+async fn server_with_metrics(db: &TestDb) -> TestServer {
+    let config = ServerConfig {
+        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+        ..test_config()
+    };
+    TestServer::start_with(config, server_pool(db.connect_options())).await
+}
+
+/// Items the server received in batch calls of `rpc`, and how many such calls.
+async fn batched(server: &TestServer, rpc: &str) -> (f64, f64) {
+    let page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
+    let series = |suffix: &str| {
+        metric_value(
+            &page,
+            &format!("idempotency_batch_items_{suffix}{{rpc=\"{rpc}\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    (series("sum"), series("count"))
+}
+
+/// Runs `CALLERS` calls of `call` at the same moment and returns their results.
+async fn all_at_once<T, F, Fut>(call: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(usize) -> Fut,
+    Fut: Future<Output = T> + Send + 'static,
+{
+    let barrier = Arc::new(Barrier::new(CALLERS));
+    let tasks: Vec<_> = (0..CALLERS)
+        .map(|caller| {
+            let barrier = barrier.clone();
+            let call = call(caller);
+            tokio::spawn(async move {
+                barrier.wait().await;
+                call.await
+            })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for task in tasks {
+        results.push(task.await.expect("caller task"));
+    }
+    results
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_calls_of_one_client_share_batches_and_one_holds_each_key() {
+    let db = TestDb::new().await;
+    let server = server_with_metrics(&db).await;
+    let client = batching_client(server.addr);
+    let same = request("batched-same");
+    let response = StoredResponse::new(201, "paid");
+
+    // Everybody on one key: one holder, the rest told it is in progress.
+    let outcomes = all_at_once(|_| {
+        let (client, same) = (client.clone(), same.clone());
+        async move { client.acquire(&same).await.expect("acquire") }
+    })
+    .await;
+    let mut leases: Vec<_> = outcomes
+        .into_iter()
+        .filter_map(|outcome| match outcome {
+            Acquisition::Proceed(lease) => Some(lease),
+            Acquisition::InProgress { .. } => None,
+            other => panic!("unexpected {other:?}"),
+        })
+        .collect();
+    assert_eq!(leases.len(), 1);
+    leases[0].complete(&response).await.unwrap();
+
+    // Everybody on a key of their own, then completing it: every one holds its
+    // key, and every completion is stored.
+    let requests: Vec<AcquireRequest> = (0..CALLERS).map(|_| request("batched-own")).collect();
+    let completed = all_at_once(|caller| {
+        let (client, request) = (client.clone(), requests[caller].clone());
+        let response = StoredResponse::new(201, format!("caller {caller}"));
+        async move {
+            let Acquisition::Proceed(mut lease) = client.acquire(&request).await.unwrap() else {
+                panic!("a fresh key is acquired");
+            };
+            lease.complete(&response).await
+        }
+    })
+    .await;
+    assert!(completed.iter().all(Result::is_ok), "{completed:?}");
+    for (caller, request) in requests.iter().enumerate() {
+        match client.acquire(request).await.unwrap() {
+            Acquisition::Replay(stored) => {
+                assert_eq!(stored.body, format!("caller {caller}").into_bytes());
+            }
+            other => panic!("expected a replay, got {other:?}"),
+        }
+    }
+
+    // And they did travel in batches: fewer calls than items.
+    for rpc in ["BatchAcquire", "BatchComplete"] {
+        let (items, calls) = batched(&server, rpc).await;
+        assert!(
+            calls >= 1.0 && items > calls,
+            "{rpc}: {items} items in {calls} calls"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_bad_call_in_a_batch_fails_alone_with_its_typed_error() {
+    let db = TestDb::new().await;
+    let server = server_with_metrics(&db).await;
+    let client = batching_client(server.addr);
+
+    let results = all_at_once(|caller| {
+        let client = client.clone();
+        let key = if caller % 2 == 0 {
+            unique_key("batched-good")
+        } else {
+            "bad".to_owned()
+        };
+        let request = AcquireRequest::new(
+            RecordId::new("payments", "POST /payments", key),
+            b"f".to_vec(),
+        );
+        async move { client.acquire(&request).await }
+    })
+    .await;
+    for (caller, result) in results.into_iter().enumerate() {
+        match (caller % 2, result) {
+            (0, Ok(Acquisition::Proceed(_))) => {}
+            (1, Err(Error::InvalidArgument { field, .. })) => {
+                assert_eq!(field.as_deref(), Some("id.key"));
+            }
+            (_, other) => panic!("caller {caller}: unexpected {other:?}"),
+        }
+    }
+    let (items, calls) = batched(&server, "BatchAcquire").await;
+    assert!(items > calls, "{items} items in {calls} calls");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cancelled_call_hands_its_place_to_the_calls_queued_behind_it() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let client = batching_client(server.addr);
+    let response = StoredResponse::new(201, "done");
+
+    // The first Complete goes alone and hangs on a row lock.
+    let stuck = request("batched-stuck");
+    let Acquisition::Proceed(mut stuck_lease) = client.acquire(&stuck).await.unwrap() else {
+        panic!("acquired");
+    };
+    let _lock = lock_record(&db, &stuck.id.key).await;
+    let leader = {
+        let response = response.clone();
+        tokio::spawn(async move { stuck_lease.complete(&response).await })
+    };
+    wait_for_lock_wait(&db).await;
+
+    // Completes made meanwhile queue behind it.
+    let mut followers = Vec::new();
+    for n in 0..8 {
+        let request = request(&format!("batched-follower-{n}"));
+        let Acquisition::Proceed(mut lease) = client.acquire(&request).await.unwrap() else {
+            panic!("acquired");
+        };
+        let response = response.clone();
+        followers.push(tokio::spawn(async move { lease.complete(&response).await }));
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(followers.iter().all(|follower| !follower.is_finished()));
+
+    // The first caller gives up: the queued calls go on without it.
+    leader.abort();
+    for follower in followers {
+        tokio::time::timeout(Duration::from_secs(5), follower)
+            .await
+            .expect("queued calls were sent after the first was cancelled")
+            .unwrap()
+            .expect("completed");
+    }
+}
+
+/// The real service without the batch RPCs, as a server older than them.
+struct WithoutBatches(GrpcService);
+
+#[tonic::async_trait]
+impl pb::idempotency_service_server::IdempotencyService for WithoutBatches {
+    async fn acquire(
+        &self,
+        request: Request<pb::AcquireRequest>,
+    ) -> Result<Response<pb::AcquireResponse>, Status> {
+        self.0.acquire(request).await
+    }
+    async fn complete(
+        &self,
+        request: Request<pb::CompleteRequest>,
+    ) -> Result<Response<pb::CompleteResponse>, Status> {
+        self.0.complete(request).await
+    }
+    async fn fail(
+        &self,
+        request: Request<pb::FailRequest>,
+    ) -> Result<Response<pb::FailResponse>, Status> {
+        self.0.fail(request).await
+    }
+    async fn renew(
+        &self,
+        request: Request<pb::RenewRequest>,
+    ) -> Result<Response<pb::RenewResponse>, Status> {
+        self.0.renew(request).await
+    }
+    async fn get(
+        &self,
+        request: Request<pb::GetRequest>,
+    ) -> Result<Response<pb::GetResponse>, Status> {
+        self.0.get(request).await
+    }
+    async fn batch_acquire(
+        &self,
+        _: Request<pb::BatchAcquireRequest>,
+    ) -> Result<Response<pb::BatchAcquireResponse>, Status> {
+        Err(Status::unimplemented("no batch RPCs in this version"))
+    }
+    async fn batch_complete(
+        &self,
+        _: Request<pb::BatchCompleteRequest>,
+    ) -> Result<Response<pb::BatchCompleteResponse>, Status> {
+        Err(Status::unimplemented("no batch RPCs in this version"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_server_without_batch_rpcs_is_served_call_by_call() {
+    let db = TestDb::new().await;
+    let engine = Engine::new(
+        Store::new(server_pool(db.connect_options())),
+        Limits::default(),
+    );
+    let service = WithoutBatches(GrpcService::new(engine, NamespaceLabels::new(10)));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(IdempotencyServiceServer::new(service))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let client = batching_client(addr);
+
+    let requests: Vec<AcquireRequest> = (0..CALLERS).map(|_| request("old-server")).collect();
+    let completed = all_at_once(|caller| {
+        let (client, request) = (client.clone(), requests[caller].clone());
+        async move {
+            let Acquisition::Proceed(mut lease) = client.acquire(&request).await? else {
+                panic!("a fresh key is acquired");
+            };
+            lease.complete(&StoredResponse::new(201, "ok")).await
+        }
+    })
+    .await;
+    assert!(completed.iter().all(Result::is_ok), "{completed:?}");
+    assert_eq!(db.row_count().await, CALLERS as i64);
+    server.abort();
+}
