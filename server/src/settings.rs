@@ -99,10 +99,17 @@ pub struct ServeArgs {
     /// and one commit (group commit). Off: one statement per call.
     #[arg(long, env = "IDEMPOTENCY_BATCHING", default_value_t = true, action = clap::ArgAction::Set)]
     pub batching: bool,
-    /// Statements in flight at once per kind of call when batching. Few
-    /// workers make calls queue, and so share, while a statement runs.
+    /// Most statements in flight at once per kind of call when batching.
+    /// One runs at a time; another starts only when the running one is slow
+    /// (see --batch-overlap-after).
     #[arg(long, env = "IDEMPOTENCY_BATCH_WORKERS", default_value_t = 2)]
     pub batch_workers: usize,
+    /// How long a statement runs before a second one may start beside it.
+    /// Calls queue meanwhile and share the next statement, which is what
+    /// makes batches large; a stuck statement (a row lock) holds up the
+    /// others no longer than this.
+    #[arg(long, env = "IDEMPOTENCY_BATCH_OVERLAP_AFTER", default_value = "20ms", value_parser = humantime::parse_duration)]
+    pub batch_overlap_after: Duration,
     /// Most calls in one statement when batching.
     #[arg(long, env = "IDEMPOTENCY_BATCH_MAX_SIZE", default_value_t = 64)]
     pub batch_max_size: usize,

@@ -54,6 +54,7 @@ impl ServerConfig {
             batching: args.batching.then_some(BatchSettings {
                 workers: args.batch_workers,
                 max_size: args.batch_max_size,
+                overlap_after: args.batch_overlap_after,
             }),
         }
     }

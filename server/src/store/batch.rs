@@ -2,19 +2,26 @@
 //! transaction and a WAL flush. Each call still gets its answer only after
 //! the statement holding its row committed.
 //!
-//! There is no waiting window: a worker takes whatever is queued when it
-//! becomes free. A lone call runs at once; under load, calls queue while the
-//! workers' statements run, and the next statement takes them all.
+//! There is no waiting window: a lone call runs at once. Under load, calls
+//! queue while a statement runs, and the next statement takes them all. One
+//! statement per kind runs at a time, so that batches grow with the load
+//! (a statement's fixed cost, not its rows, is what a batch saves); a second
+//! worker starts another only when the running one is slow (a row lock, a
+//! slow disk), so one stuck statement does not hold up every call.
 
 use std::{
     collections::HashSet,
     future::Future,
     hash::{BuildHasher, RandomState},
     pin::Pin,
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
 };
 
-use tokio::sync::{Mutex, mpsc, oneshot};
+use tokio::sync::{Mutex, Notify, mpsc, oneshot};
 
 use super::{StoreError, StoreResult};
 use crate::domain::RecordId;
@@ -41,10 +48,13 @@ pub struct Batcher<I, O> {
 /// How batches form.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchSettings {
-    /// Statements in flight at once, per kind of call.
+    /// Most statements in flight at once, per kind of call.
     pub workers: usize,
     /// Most calls in one statement.
     pub max_size: usize,
+    /// A worker with calls waiting starts a statement while another runs
+    /// only once that one has run this long.
+    pub overlap_after: Duration,
 }
 
 impl Default for BatchSettings {
@@ -52,7 +62,47 @@ impl Default for BatchSettings {
         Self {
             workers: 2,
             max_size: 64,
+            overlap_after: Duration::from_millis(20),
         }
+    }
+}
+
+/// Statements of one batcher running now, and a signal when one ends.
+#[derive(Default)]
+struct Running {
+    statements: AtomicUsize,
+    ended: Notify,
+}
+
+impl Running {
+    /// Waits until no statement runs, or `limit` passes.
+    async fn wait_for_none(&self, limit: Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            // Registered before the check, so an end between the two is not missed.
+            let ended = self.ended.notified();
+            if self.statements.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, ended).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    fn start(self: &Arc<Self>) -> RunningGuard {
+        self.statements.fetch_add(1, Ordering::AcqRel);
+        RunningGuard(self.clone())
+    }
+}
+
+/// Counts a statement as running until dropped.
+struct RunningGuard(Arc<Running>);
+
+impl Drop for RunningGuard {
+    fn drop(&mut self) {
+        self.0.statements.fetch_sub(1, Ordering::AcqRel);
+        self.0.ended.notify_waiters();
     }
 }
 
@@ -67,12 +117,14 @@ impl<I: Batchable + Clone, O: Send + 'static> Batcher<I, O> {
         let execute: Arc<Execute<I, O>> = Arc::new(move |inputs| Box::pin(execute(inputs)));
         let (queue, receiver) = mpsc::channel(settings.max_size.max(1) * 64);
         let receiver = Arc::new(Mutex::new(receiver));
+        let running = Arc::new(Running::default());
         for _ in 0..settings.workers.max(1) {
             tokio::spawn(work(
                 name,
                 receiver.clone(),
+                running.clone(),
                 execute.clone(),
-                settings.max_size.max(1),
+                settings,
             ));
         }
         Self { queue }
@@ -97,9 +149,11 @@ fn stopped() -> StoreError {
 async fn work<I: Batchable + Clone, O>(
     name: &'static str,
     receiver: Arc<Mutex<mpsc::Receiver<Job<I, O>>>>,
+    running: Arc<Running>,
     execute: Arc<Execute<I, O>>,
-    max_size: usize,
+    settings: BatchSettings,
 ) {
+    let max_size = settings.max_size.max(1);
     let mut deferred: Vec<Job<I, O>> = Vec::new();
     let hasher = RandomState::new();
     let record_hash = |input: &I| hasher.hash_one(input.record());
@@ -117,11 +171,16 @@ async fn work<I: Batchable + Clone, O>(
                 deferred.push(job);
             }
         }
-        if jobs.is_empty() {
+        if !jobs.is_empty() {
+            running.wait_for_none(settings.overlap_after).await;
+        } else {
             let mut queue = receiver.lock().await;
             let Some(first) = queue.recv().await else {
                 return; // The batcher was dropped.
             };
+            // While another statement runs, let calls gather for the next
+            // one (holding the queue, so no other worker splits them).
+            running.wait_for_none(settings.overlap_after).await;
             records.insert(record_hash(&first.input));
             jobs.push(first);
             while jobs.len() < max_size {
@@ -135,6 +194,7 @@ async fn work<I: Batchable + Clone, O>(
         }
         metrics::histogram!(crate::metrics::DB_BATCH_SIZE, "query" => name)
             .record(jobs.len() as f64);
+        let _running = running.start();
         run_batch(&execute, jobs).await;
     }
 }

@@ -145,6 +145,7 @@ async fn full_batches_with_many_keys_and_duplicates_give_exactly_one_holder_per_
         batching: Some(BatchSettings {
             workers: 1,
             max_size: 64,
+            ..BatchSettings::default()
         }),
         ..test_config()
     };
@@ -192,4 +193,44 @@ async fn full_batches_with_many_keys_and_duplicates_give_exactly_one_holder_per_
         count > 0.0 && sum / count > 1.5,
         "statements did not batch: {sum} calls in {count}"
     );
+}
+
+/// Group commit runs one statement per kind at a time; a statement stuck on
+/// a row lock must not hold up every other call. Another starts beside it
+/// once it has run `overlap_after`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_statement_stuck_on_a_row_lock_does_not_hold_up_other_calls() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let mut client = server.client.clone();
+
+    let stuck = record_id(&unique_key("stuck"));
+    let stuck_token = token(&acquire(&mut client, &stuck, b"fp").await);
+    let lock = idempotency_tests::lock_record(&db, &stuck.key).await;
+    let stuck_complete = {
+        let (mut client, stuck) = (client.clone(), stuck.clone());
+        tokio::spawn(async move {
+            complete(&mut client, &stuck, stuck_token, response(201, "{}")).await
+        })
+    };
+    idempotency_tests::wait_for_lock_wait(&db).await;
+
+    // Completes of other records go through while that one waits.
+    for n in 0..3 {
+        let id = record_id(&unique_key(&format!("free-{n}")));
+        let fencing_token = token(&acquire(&mut client, &id, b"fp").await);
+        tokio::time::timeout(
+            std::time::Duration::from_secs(3),
+            complete(&mut client, &id, fencing_token, response(201, "{}")),
+        )
+        .await
+        .expect("not held up by the stuck statement")
+        .expect("completed");
+    }
+    assert!(!stuck_complete.is_finished());
+    drop(lock);
+    stuck_complete
+        .await
+        .unwrap()
+        .expect("completes once the lock is gone");
 }
