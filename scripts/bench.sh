@@ -12,9 +12,11 @@
 # BENCH_REPEATS times (default 3), pgbench and service interleaved; the table
 # shows medians. Results: target/bench/results-<timestamp>.{json,md}.
 #
-# BENCH_SERVER_ARGS adds flags to `idempotencyd serve` (e.g. "--batching false").
+# BENCH_SERVER_ARGS adds flags to `idempotencyd serve` (e.g. "--batching false"),
+# BENCH_CLIENT_ARGS to the load generator (e.g. "--no-batching": every call its
+# own RPC, as a client without the batch RPCs would send them).
 # Other knobs: BENCH_WARMUP (service only, default 2s), BENCH_PAYLOAD_BYTES
-# (256), BENCH_KEYS (replay keys, 1000), BENCH_CONNECTIONS (gRPC, 4), and
+# (256), BENCH_KEYS (replay keys, 1000), BENCH_CONNECTIONS (gRPC, 1), and
 # BENCH_WAIT_QUIET=N: before each measurement, wait up to N seconds until
 # other work on the machine (builds, tests) uses under 15 % of the CPUs
 # (default 0: measure at once; the "other load" column shows what it was).
@@ -46,7 +48,7 @@ concurrencies=${BENCH_CONCURRENCY:-1 16 64}
 warmup=${BENCH_WARMUP:-2s}
 payload=${BENCH_PAYLOAD_BYTES:-256}
 keys=${BENCH_KEYS:-1000}
-connections=${BENCH_CONNECTIONS:-4}
+connections=${BENCH_CONNECTIONS:-1}
 wait_quiet=${BENCH_WAIT_QUIET:-0}
 server_bin=target/release/idempotencyd
 bench_bin=target/release/idempotency-bench
@@ -163,7 +165,7 @@ run_service() { # scenario concurrency rep extra-args...
   "$bench_bin" --endpoint "$endpoint" --scenario "$scenario" --concurrency "$c" \
     --connections "$conns" --duration "${seconds}s" --warmup "$warmup" \
     --payload-bytes "$payload" --keys "$keys" --server-pid "$server_pid" --json "$@" \
-    >"$work/service.json" 2>"$work/service.err" ||
+    ${BENCH_CLIENT_ARGS:-} >"$work/service.json" 2>"$work/service.err" ||
     { cat "$work/service.err" >&2; exit 1; }
   if [ -s "$work/service.err" ]; then sed 's/^/  /' "$work/service.err" >&2; fi
   kill -0 "$server_pid" 2>/dev/null || { say "the server died; its log:"; cat "$work/server.log" >&2; exit 1; }
@@ -196,7 +198,7 @@ rows=$(sql "SELECT count(*) FROM idempotency_records")
 say "done; the table holds $rows rows"
 
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-if [ -n "$(git status --porcelain -- server migrations 2>/dev/null)" ]; then commit="$commit+dirty"; fi
+if [ -n "$(git status --porcelain -- server client bench migrations 2>/dev/null)" ]; then commit="$commit+dirty"; fi
 meta=$(python3 -c '
 import json, sys
 a = sys.argv[1:]
@@ -206,8 +208,9 @@ print(json.dumps({
     "settings": {"seconds": int(a[5]), "repeats": int(a[6]), "warmup": a[7], "payload_bytes": int(a[8]),
                  "replay_keys": int(a[9]), "grpc_connections": int(a[10]), "wait_quiet": int(a[11]),
                  "pgbench": "-M prepared -n -j 2 -c C -T " + a[5], "statistic": "median of repeats",
-                 "server": "idempotencyd serve, defaults (db pool 16), --reaper-enabled false"},
+                 "server": "idempotencyd serve, defaults (db pool 16), --reaper-enabled false " + a[13],
+                 "load_generator": "one client per gRPC connection, client defaults " + a[14]},
     "final_table_rows": int(a[12]),
 }))' "$stamp" "$commit" "$pg_version" "$fsync" "$sync_commit" "$seconds" "$repeats" "$warmup" \
-  "$payload" "$keys" "$connections" "$wait_quiet" "$rows")
+  "$payload" "$keys" "$connections" "$wait_quiet" "$rows" "${BENCH_SERVER_ARGS:-}" "${BENCH_CLIENT_ARGS:-}")
 report summary "$raw" "$out_dir/results-$stamp" "$meta"
