@@ -11,6 +11,7 @@ use crate::{
         StoredResponse, Timestamp,
     },
     error::Error,
+    replay_cache::ReplayCache,
     store::{AcquireAttempt, AcquireInput, AcquiredRow, FinishInput, RecordRow, Store, StoreError},
 };
 
@@ -51,11 +52,22 @@ pub struct LeaseTimes {
 pub struct Engine {
     store: Store,
     limits: Limits,
+    replays: Option<ReplayCache>,
 }
 
 impl Engine {
     pub fn new(store: Store, limits: Limits) -> Self {
-        Self { store, limits }
+        Self {
+            store,
+            limits,
+            replays: None,
+        }
+    }
+
+    /// Answers Acquires of finished records from memory when it can.
+    pub fn with_replay_cache(mut self, cache: ReplayCache) -> Self {
+        self.replays = Some(cache);
+        self
     }
 
     /// The server's policy on lifetimes and sizes.
@@ -69,6 +81,13 @@ impl Engine {
         let AcquireRequest {
             id, fingerprint, ..
         } = request;
+        if let Some(outcome) = self
+            .replays
+            .as_ref()
+            .and_then(|cache| cache.lookup(&id, &fingerprint))
+        {
+            return Ok(outcome);
+        }
         let input = AcquireInput {
             id,
             fingerprint,
@@ -93,16 +112,18 @@ impl Engine {
                         return Ok(in_progress(&row));
                     }
                     RecordState::Completed => {
-                        return Ok(AcquireOutcome::Completed {
+                        let outcome = AcquireOutcome::Completed {
                             response: stored_response(&row)?,
                             completed_at: finished_at(&row)?,
-                        });
+                        };
+                        return Ok(self.remember(&input.id, &row, outcome));
                     }
                     RecordState::Failed => {
-                        return Ok(AcquireOutcome::Failed {
+                        let outcome = AcquireOutcome::Failed {
                             error_response: stored_response(&row)?,
                             failed_at: finished_at(&row)?,
-                        });
+                        };
+                        return Ok(self.remember(&input.id, &row, outcome));
                     }
                     // The lease passed or the key was released: take it over below.
                     RecordState::InProgress | RecordState::Released => {}
@@ -290,6 +311,16 @@ fn in_progress(row: &RecordRow) -> AcquireOutcome {
     AcquireOutcome::InProgress {
         lease_expires_at,
         retry_after: remaining.min(MAX_RETRY_AFTER),
+    }
+}
+
+impl Engine {
+    /// Keeps a finished record's outcome for later Acquires, and returns it.
+    fn remember(&self, id: &RecordId, row: &RecordRow, outcome: AcquireOutcome) -> AcquireOutcome {
+        if let Some(cache) = &self.replays {
+            cache.remember(id, row.fingerprint(), &outcome, row.db_now, row.expires_at);
+        }
+        outcome
     }
 }
 

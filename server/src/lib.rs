@@ -5,7 +5,8 @@
 //!   future resolves, then drains;
 //! - [`grpc`]: thin adapters, protobuf in and out, errors mapped to statuses
 //!   in one place ([`grpc::status`]);
-//! - [`engine`]: the rules (acquire, complete, fail, renew, get; leases and fencing);
+//! - [`engine`]: the rules (acquire, complete, fail, renew, get; leases and fencing),
+//!   with [`replay_cache`] answering repeated Acquires of finished records;
 //! - [`store`]: the only module with SQL;
 //! - [`domain`]: the types every layer speaks (ids, fingerprints, responses, limits).
 //!
@@ -23,6 +24,7 @@ pub mod grpc;
 pub mod health;
 pub mod maintenance;
 pub mod metrics;
+pub mod replay_cache;
 pub mod settings;
 pub mod shutdown;
 pub mod startup;

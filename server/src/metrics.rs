@@ -19,6 +19,7 @@ pub const DB_POOL_MAX_CONNECTIONS: &str = "idempotency_db_pool_max_connections";
 pub const DB_POOL_WAIT_SECONDS: &str = "idempotency_db_pool_wait_seconds";
 pub const DB_BATCH_SIZE: &str = "idempotency_db_batch_size";
 pub const BATCH_ITEMS: &str = "idempotency_batch_items";
+pub const REPLAY_CACHE_LOOKUPS_TOTAL: &str = "idempotency_replay_cache_lookups_total";
 pub const DATABASE_UP: &str = "idempotency_database_up";
 pub const LEASE_TAKEOVERS_TOTAL: &str = "idempotency_lease_takeovers_total";
 pub const REPLAYS_TOTAL: &str = "idempotency_replays_total";
@@ -53,6 +54,10 @@ pub fn describe() {
         BATCH_ITEMS,
         "Items per BatchAcquire or BatchComplete call, by RPC. Each item also counts in \
          idempotency_requests_total as its unary RPC (Acquire, Complete)."
+    );
+    describe_counter!(
+        REPLAY_CACHE_LOOKUPS_TOTAL,
+        "Acquires looked up in the in-memory cache of finished records, by result (hit, miss)."
     );
     describe_gauge!(
         DB_POOL_CONNECTIONS,

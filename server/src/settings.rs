@@ -113,6 +113,14 @@ pub struct ServeArgs {
     /// Most calls in one statement when batching.
     #[arg(long, env = "IDEMPOTENCY_BATCH_MAX_SIZE", default_value_t = 64)]
     pub batch_max_size: usize,
+    /// Memory for finished records kept to answer repeated Acquires without
+    /// a database round trip (bytes of ids and responses; 0 turns it off).
+    #[arg(long, env = "IDEMPOTENCY_REPLAY_CACHE_BYTES", default_value_t = 64 * 1024 * 1024)]
+    pub replay_cache_bytes: u64,
+    /// Longest a cached record is used. An `admin purge` reaches replicas
+    /// that cached the record only after this long.
+    #[arg(long, env = "IDEMPOTENCY_REPLAY_CACHE_MAX_AGE", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub replay_cache_max_age: Duration,
     /// Distinct `namespace` label values in /metrics; later namespaces are counted as `other`.
     #[arg(
         long,
@@ -187,7 +195,9 @@ pub struct AdminArgs {
 pub enum AdminCommand {
     /// Show one record: state, times, token, response size.
     Get(RecordIdArgs),
-    /// Delete one record so its key can be used again at once.
+    /// Delete one record so its key can be used again. A replica that
+    /// replayed it recently answers from its replay cache until
+    /// --replay-cache-max-age (10 s) passes.
     Purge(RecordIdArgs),
     /// List in-progress records whose lease expired more than --older-than ago.
     Stuck {

@@ -16,6 +16,7 @@ use crate::{
     health, maintenance,
     maintenance::ReaperSettings,
     metrics::NamespaceLabels,
+    replay_cache::{ReplayCache, ReplayCacheSettings},
     settings::ServeArgs,
     store::{Store, batch::BatchSettings},
     telemetry,
@@ -38,6 +39,8 @@ pub struct ServerConfig {
     pub max_metric_namespaces: usize,
     /// Group commit; `None`: one statement per call.
     pub batching: Option<BatchSettings>,
+    /// Finished records kept in memory for repeated Acquires; `None`: off.
+    pub replay_cache: Option<ReplayCacheSettings>,
 }
 
 impl ServerConfig {
@@ -55,6 +58,10 @@ impl ServerConfig {
                 workers: args.batch_workers,
                 max_size: args.batch_max_size,
                 overlap_after: args.batch_overlap_after,
+            }),
+            replay_cache: (args.replay_cache_bytes > 0).then_some(ReplayCacheSettings {
+                max_bytes: args.replay_cache_bytes,
+                max_age: args.replay_cache_max_age,
             }),
         }
     }
@@ -200,7 +207,10 @@ impl Application {
         let reflection_v1alpha = reflection().build_v1alpha()?;
 
         let max_message = MIN_MESSAGE_BYTES.max(config.limits.max_response_bytes.saturating_mul(2));
-        let engine = Engine::new(store, config.limits.clone());
+        let mut engine = Engine::new(store, config.limits.clone());
+        if let Some(settings) = config.replay_cache {
+            engine = engine.with_replay_cache(ReplayCache::new(settings));
+        }
         let namespaces = NamespaceLabels::new(config.max_metric_namespaces);
         let api = IdempotencyServiceServer::new(GrpcService::new(engine, namespaces))
             .max_decoding_message_size(max_message);

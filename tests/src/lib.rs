@@ -103,6 +103,14 @@ pub fn metric_value(page: &str, series: &str) -> Option<f64> {
 /// A server whose database connections go through a [`TcpProxy`], so a test
 /// can cut it off from Postgres and restore it.
 pub async fn server_behind_proxy(db: &TestDb) -> (TestServer, TcpProxy) {
+    server_behind_proxy_with(db, test_config()).await
+}
+
+/// [`server_behind_proxy`] with settings of the test's own.
+pub async fn server_behind_proxy_with(
+    db: &TestDb,
+    config: idempotency_server::startup::ServerConfig,
+) -> (TestServer, TcpProxy) {
     let options = db.connect_options();
     let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
         .await
@@ -111,7 +119,7 @@ pub async fn server_behind_proxy(db: &TestDb) -> (TestServer, TcpProxy) {
         .unwrap();
     let proxy = TcpProxy::start(upstream).await;
     let pool = server_pool(options.host("127.0.0.1").port(proxy.addr.port()));
-    (TestServer::start_with(test_config(), pool).await, proxy)
+    (TestServer::start_with(config, pool).await, proxy)
 }
 
 /// Locks a record's row in a transaction of the test's own, so that the

@@ -26,6 +26,8 @@ pub fn test_config() -> ServerConfig {
         max_metric_namespaces: 200,
         // The contract holds with group commit on, as served by default.
         batching: Some(idempotency_server::store::batch::BatchSettings::default()),
+        // And with the replay cache on, as served by default.
+        replay_cache: Some(idempotency_server::replay_cache::ReplayCacheSettings::default()),
     }
 }
 

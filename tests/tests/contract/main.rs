@@ -12,6 +12,7 @@ mod observability;
 mod outage;
 mod race;
 mod reaper;
+mod replay_cache;
 mod scoping;
 mod shutdown;
 mod support;

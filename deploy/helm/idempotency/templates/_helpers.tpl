@@ -118,6 +118,8 @@ IDEMPOTENCY_DEFAULT_LEASE: {{ $c.defaultLease | quote }}
 IDEMPOTENCY_MAX_LEASE: {{ $c.maxLease | quote }}
 IDEMPOTENCY_MAX_RESPONSE_BYTES: {{ int64 $c.maxResponseBytes | toString | quote }}
 IDEMPOTENCY_MAX_BATCH_ITEMS: {{ int64 $c.maxBatchItems | toString | quote }}
+IDEMPOTENCY_REPLAY_CACHE_BYTES: {{ int64 $c.replayCacheBytes | toString | quote }}
+IDEMPOTENCY_REPLAY_CACHE_MAX_AGE: {{ $c.replayCacheMaxAge | quote }}
 IDEMPOTENCY_DB_MAX_CONNECTIONS: {{ int64 $c.dbMaxConnections | toString | quote }}
 IDEMPOTENCY_DB_ACQUIRE_TIMEOUT: {{ $c.dbAcquireTimeout | quote }}
 IDEMPOTENCY_STATEMENT_TIMEOUT: {{ $c.statementTimeout | quote }}

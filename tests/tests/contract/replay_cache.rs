@@ -1,0 +1,182 @@
+//! The replay cache: repeated Acquires of a finished record are answered
+//! from memory, with the same answers the database would give, never after
+//! the record expired, and an operator's purge is seen within the cache's
+//! max age.
+
+use std::time::Duration;
+
+use idempotency_client::pb::{self, acquire_response::Outcome};
+use idempotency_server::{
+    admin,
+    replay_cache::ReplayCacheSettings,
+    settings::{AdminCommand, RecordIdArgs},
+    startup::ServerConfig,
+};
+use idempotency_tests::{
+    TestDb, TestServer, record_id, response, server_behind_proxy_with, server_pool, test_config,
+    unique_key,
+};
+use tonic::Code;
+
+use crate::support::*;
+
+fn with_cache(replay_cache: Option<ReplayCacheSettings>) -> ServerConfig {
+    ServerConfig {
+        replay_cache,
+        ..test_config()
+    }
+}
+
+/// A record completed with `body`, then replayed once so the cache holds it.
+async fn completed_and_replayed(client: &mut Client, label: &str, body: &str) -> pb::RecordId {
+    let id = record_id(&unique_key(label));
+    let t = token(&acquire(client, &id, b"fp").await);
+    complete(client, &id, t, response(201, body)).await.unwrap();
+    assert!(matches!(
+        acquire(client, &id, b"fp").await,
+        Outcome::Completed(_)
+    ));
+    id
+}
+
+#[tokio::test]
+async fn a_finished_record_is_replayed_from_memory_even_while_the_database_is_down() {
+    let db = TestDb::new().await;
+    let (server, proxy) =
+        server_behind_proxy_with(&db, with_cache(Some(ReplayCacheSettings::default()))).await;
+    let mut client = server.client.clone();
+    let done = completed_and_replayed(&mut client, "cached", "{\"id\":7}").await;
+    let failed = record_id(&unique_key("cached-failed"));
+    let t = token(&acquire(&mut client, &failed, b"fp").await);
+    fail(
+        &mut client,
+        &failed,
+        t,
+        false,
+        Some(response(402, "declined")),
+    )
+    .await
+    .unwrap();
+    assert!(matches!(
+        acquire(&mut client, &failed, b"fp").await,
+        Outcome::Failed(_)
+    ));
+
+    proxy.cut().await;
+
+    // The same answers as from the database: the response, the stored
+    // error, and the fingerprint rule.
+    match acquire(&mut client, &done, b"fp").await {
+        Outcome::Completed(completed) => {
+            assert_eq!(completed.response, Some(response(201, "{\"id\":7}")));
+            assert!(completed.completed_at.is_some());
+        }
+        other => panic!("expected COMPLETED, got {other:?}"),
+    }
+    match acquire(&mut client, &failed, b"fp").await {
+        Outcome::Failed(failed) => {
+            assert_eq!(failed.error_response, Some(response(402, "declined")))
+        }
+        other => panic!("expected FAILED, got {other:?}"),
+    }
+    assert!(matches!(
+        acquire(&mut client, &done, b"another request").await,
+        Outcome::FingerprintMismatch(_)
+    ));
+    // Anything else still needs the database.
+    let fresh = record_id(&unique_key("uncached"));
+    let unavailable = client
+        .acquire(pb::AcquireRequest {
+            id: Some(fresh),
+            fingerprint: b"fp".to_vec(),
+            ..Default::default()
+        })
+        .await;
+    assert_error(unavailable, Code::Unavailable, "DATABASE_UNAVAILABLE");
+}
+
+#[tokio::test]
+async fn without_the_cache_every_replay_reads_the_database() {
+    let db = TestDb::new().await;
+    let (server, proxy) = server_behind_proxy_with(&db, with_cache(None)).await;
+    let mut client = server.client.clone();
+    let done = completed_and_replayed(&mut client, "uncached", "{}").await;
+    proxy.cut().await;
+    let unavailable = client
+        .acquire(pb::AcquireRequest {
+            id: Some(done),
+            fingerprint: b"fp".to_vec(),
+            ..Default::default()
+        })
+        .await;
+    assert_error(unavailable, Code::Unavailable, "DATABASE_UNAVAILABLE");
+}
+
+#[tokio::test]
+async fn a_cached_record_is_never_replayed_after_it_expires() {
+    let db = TestDb::new().await;
+    let server = TestServer::start_with(
+        with_cache(Some(ReplayCacheSettings {
+            max_age: Duration::from_secs(3600),
+            ..ReplayCacheSettings::default()
+        })),
+        server_pool(db.connect_options()),
+    )
+    .await;
+    let mut client = server.client.clone();
+    let id = record_id(&unique_key("cached-ttl"));
+    let request = pb::AcquireRequest {
+        id: Some(id.clone()),
+        fingerprint: b"fp".to_vec(),
+        ttl: Some(idempotency_tests::seconds(2)),
+        // A record never expires under a live lease: keep it shorter.
+        lease: Some(idempotency_tests::seconds(1)),
+    };
+    let t = token(&acquire_request(&mut client, request.clone()).await);
+    complete(&mut client, &id, t, response(201, "{}"))
+        .await
+        .unwrap();
+    assert!(matches!(
+        acquire_request(&mut client, request.clone()).await,
+        Outcome::Completed(_)
+    ));
+
+    wait_past(2).await;
+
+    // Expired: a new attempt, not the cached replay.
+    assert_eq!(token(&acquire_request(&mut client, request).await), 1);
+}
+
+#[tokio::test]
+async fn a_purge_reaches_a_replica_that_cached_the_record_within_the_max_age() {
+    let db = TestDb::new().await;
+    let max_age = Duration::from_secs(1);
+    let server = TestServer::start_with(
+        with_cache(Some(ReplayCacheSettings {
+            max_age,
+            ..ReplayCacheSettings::default()
+        })),
+        server_pool(db.connect_options()),
+    )
+    .await;
+    let mut client = server.client.clone();
+    let id = completed_and_replayed(&mut client, "cached-purge", "{}").await;
+
+    let mut out = Vec::new();
+    let purge = AdminCommand::Purge(RecordIdArgs {
+        namespace: id.namespace.clone(),
+        operation: id.operation.clone(),
+        subject: id.subject.clone(),
+        key: id.key.clone(),
+    });
+    admin::run(&db.pool, purge, false, &mut out).await.unwrap();
+
+    // Until the entry's max age passes, this replica still replays...
+    assert!(matches!(
+        acquire(&mut client, &id, b"fp").await,
+        Outcome::Completed(_)
+    ));
+    tokio::time::sleep(max_age + Duration::from_millis(200)).await;
+    // ...then the key is free again.
+    assert_eq!(token(&acquire(&mut client, &id, b"fp").await), 1);
+}
