@@ -140,19 +140,31 @@ def median(values):
     return statistics.median(values) if values else None
 
 
+# Service scenarios measured against another scenario's pgbench runs.
+PGBENCH_SCENARIO = {"replay-db": "replay"}
+
+ROW_LABEL = {
+    "new-keys": "new-keys (pairs)",
+    "replay": "replay (reads; replay cache on, the default)",
+    "replay-db": "replay (reads; replay cache off: every read from Postgres)",
+}
+
+
 def summary(raw, out, meta_json):
     meta = json.loads(meta_json)
     runs = [json.loads(line) for line in open(raw)]
     order = []
     for r in runs:
-        if (r["scenario"], r["concurrency"]) not in order:
+        if r["tool"] == "service" and (r["scenario"], r["concurrency"]) not in order:
             order.append((r["scenario"], r["concurrency"]))
     results = []
     for scenario, c in order:
         entry = {"scenario": scenario, "concurrency": c}
         for tool in ("pgbench", "service"):
+            # The replay runs without the server's cache compare with the same pgbench runs.
+            wanted = PGBENCH_SCENARIO.get(scenario, scenario) if tool == "pgbench" else scenario
             rs = [r for r in runs
-                  if r["tool"] == tool and r["scenario"] == scenario and r["concurrency"] == c]
+                  if r["tool"] == tool and r["scenario"] == wanted and r["concurrency"] == c]
             s = {
                 "ops_per_sec": median([r["ops_per_sec"] for r in rs]),
                 "p50_us": median([r["latency_us"]["p50"] for r in rs]),
@@ -184,7 +196,6 @@ def summary(raw, out, meta_json):
         results.append(entry)
 
     doc = {
-        "baseline": "before batching",
         **meta,
         "machine": {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "memory_gib": mem_gib(),
                     "kernel": platform.release()},
@@ -215,9 +226,8 @@ def summary(raw, out, meta_json):
         cpu = "-"
         if s["server_cpu_seconds"] is not None:
             cpu = f"{s['server_cpu_seconds']:.2f} ({num(s['server_cpu_us_per_op'])})"
-        unit = "pairs" if e["scenario"] == "new-keys" else "reads"
         lines.append(
-            f"| {e['scenario']} ({unit}) | {e['concurrency']} | {num(p['ops_per_sec'])} "
+            f"| {ROW_LABEL.get(e['scenario'], e['scenario'])} | {e['concurrency']} | {num(p['ops_per_sec'])} "
             f"| {num(s['ops_per_sec'])} | {ratio} | {ms(p['p50_us'])} / {ms(p['p99_us'])} "
             f"| {ms(s['p50_us'])} / {ms(s['p99_us'])} | {cpu} | {s['server_vmhwm_kb'] / 1024:.0f} "
             f"| {num(p['machine_cpu_us_per_op'])} / {num(s['machine_cpu_us_per_op'])} "

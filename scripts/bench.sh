@@ -7,7 +7,10 @@
 #             NOTHING, then UPDATE to completed: one "pair") against
 #             idempotency-bench --scenario new-keys (Acquire, then Complete);
 #   replay:   pgbench bench/pgbench/replay.sql (a primary-key SELECT) against
-#             idempotency-bench --scenario replay (Acquire of a completed key).
+#             idempotency-bench --scenario replay (Acquire of a completed key),
+#             on the server as configured (replay cache on: hits from memory)
+#             and on a second server with --replay-cache-bytes 0 (row
+#             "replay-db": every replay reads Postgres).
 # Each measurement runs BENCH_SECONDS (default 10) and is repeated
 # BENCH_REPEATS times (default 3), pgbench and service interleaved; the table
 # shows medians. Results: target/bench/results-<timestamp>.{json,md}.
@@ -66,14 +69,16 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/idempotency-bench.XXXXXX")
 raw="$work/raw.jsonl"
 : >"$raw"
 
-server_pid=
+server_pids=
 cleanup() {
-  if [ -n "$server_pid" ] && kill -0 "$server_pid" 2>/dev/null; then
-    kill -TERM "$server_pid" 2>/dev/null || true
-    for _ in $(seq 50); do kill -0 "$server_pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$server_pid" 2>/dev/null || true
-    wait "$server_pid" 2>/dev/null || true
-  fi
+  local pid
+  for pid in $server_pids; do
+    kill -0 "$pid" 2>/dev/null || continue
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -108,16 +113,37 @@ grpc_port=$(free_port)
 metrics_port=$(free_port)
 while [ "$metrics_port" = "$grpc_port" ]; do metrics_port=$(free_port); done
 
-"$server_bin" serve --grpc-addr "127.0.0.1:$grpc_port" --metrics-addr "127.0.0.1:$metrics_port" \
-  --reaper-enabled false --drain-timeout 5s ${BENCH_SERVER_ARGS:-} >"$work/server.log" 2>&1 &
-server_pid=$!
-for _ in $(seq 100); do
-  kill -0 "$server_pid" 2>/dev/null || { say "the server exited; its log:"; cat "$work/server.log" >&2; exit 1; }
-  (exec 3<>"/dev/tcp/127.0.0.1/$grpc_port") 2>/dev/null && break
-  sleep 0.1
-done
-endpoint="http://127.0.0.1:$grpc_port"
+# The server measured: the default one, or the one without the replay cache.
+use_server() { server_pid=$1 endpoint=$2; }
+
+start_server() { # extra serve flags...; sets started_pid and started_endpoint
+  local grpc_port metrics_port log="$work/server-$((++servers)).log"
+  grpc_port=$(free_port)
+  metrics_port=$(free_port)
+  while [ "$metrics_port" = "$grpc_port" ]; do metrics_port=$(free_port); done
+  "$server_bin" serve --grpc-addr "127.0.0.1:$grpc_port" --metrics-addr "127.0.0.1:$metrics_port" \
+    --reaper-enabled false --drain-timeout 5s "$@" >"$log" 2>&1 &
+  started_pid=$!
+  server_pids="$server_pids $started_pid"
+  for _ in $(seq 100); do
+    kill -0 "$started_pid" 2>/dev/null || { say "the server exited; its log:"; cat "$log" >&2; exit 1; }
+    (exec 3<>"/dev/tcp/127.0.0.1/$grpc_port") 2>/dev/null && break
+    sleep 0.1
+  done
+  started_endpoint="http://127.0.0.1:$grpc_port"
+}
+servers=0
+# shellcheck disable=SC2086 # BENCH_SERVER_ARGS is a list of flags
+start_server ${BENCH_SERVER_ARGS:-}
+cached_pid=$started_pid cached_endpoint=$started_endpoint
+use_server "$cached_pid" "$cached_endpoint"
 say "idempotencyd (pid $server_pid, release) on $endpoint; settings at their defaults${BENCH_SERVER_ARGS:+ except $BENCH_SERVER_ARGS}"
+# A second server on the same database, without the replay cache, so that
+# replays are also measured reading Postgres every time.
+# shellcheck disable=SC2086
+start_server ${BENCH_SERVER_ARGS:-} --replay-cache-bytes 0
+uncached_pid=$started_pid uncached_endpoint=$started_endpoint
+say "idempotencyd (pid $uncached_pid) on $uncached_endpoint with --replay-cache-bytes 0"
 
 ticks() { report ticks "$postmaster_pid" "$server_pid" "$$"; }
 vmhwm_kb() { awk '/^VmHWM:/ { print $2 }' "/proc/$server_pid/status"; }
@@ -155,9 +181,9 @@ run_pgbench() { # scenario script concurrency rep extra-args...
   report progress "$raw"
 }
 
-run_service() { # scenario concurrency rep extra-args...
-  local scenario=$1 c=$2 rep=$3
-  shift 3
+run_service() { # scenario label concurrency rep extra-args...
+  local scenario=$1 label=$2 c=$3 rep=$4
+  shift 4
   local conns=$((c < connections ? c : connections)) before lsn
   settle
   lsn=$(wal_lsn)
@@ -168,8 +194,8 @@ run_service() { # scenario concurrency rep extra-args...
     ${BENCH_CLIENT_ARGS:-} >"$work/service.json" 2>"$work/service.err" ||
     { cat "$work/service.err" >&2; exit 1; }
   if [ -s "$work/service.err" ]; then sed 's/^/  /' "$work/service.err" >&2; fi
-  kill -0 "$server_pid" 2>/dev/null || { say "the server died; its log:"; cat "$work/server.log" >&2; exit 1; }
-  report service "$scenario" "$c" "$rep" "$work/service.json" "$before" "$(ticks)" \
+  kill -0 "$server_pid" 2>/dev/null || { say "the server died; its logs:"; cat "$work"/server-*.log >&2; exit 1; }
+  report service "$label" "$c" "$rep" "$work/service.json" "$before" "$(ticks)" \
     "$(wal_since "$lsn")" "$(vmhwm_kb)" >>"$raw"
   report progress "$raw"
 }
@@ -178,7 +204,7 @@ say "$repeats x ${seconds}s per measurement; concurrency: $concurrencies"
 for c in $concurrencies; do
   for rep in $(seq "$repeats"); do
     run_pgbench new-keys bench/pgbench/new_key_pair.sql "$c" "$rep" -D "payload=$payload"
-    run_service new-keys "$c" "$rep"
+    run_service new-keys new-keys "$c" "$rep"
   done
 done
 # Vacuum now, so that autovacuum does not pick the replay runs to clean up
@@ -190,7 +216,10 @@ sql "VACUUM (ANALYZE) idempotency_records"
 for c in $concurrencies; do
   for rep in $(seq "$repeats"); do
     run_pgbench replay bench/pgbench/replay.sql "$c" "$rep" -D "keys=$keys"
-    run_service replay "$c" "$rep" --key-prefix bench-replay --skip-prepare
+    use_server "$cached_pid" "$cached_endpoint"
+    run_service replay replay "$c" "$rep" --key-prefix bench-replay --skip-prepare
+    use_server "$uncached_pid" "$uncached_endpoint"
+    run_service replay replay-db "$c" "$rep" --key-prefix bench-replay --skip-prepare
   done
 done
 
