@@ -19,6 +19,13 @@ pub struct PoolSettings {
     pub acquire_timeout: Duration,
     /// Longest a single statement may run (Postgres `statement_timeout`).
     pub statement_timeout: Duration,
+    /// Plan every statement as index lookups (`enable_seqscan` and
+    /// `enable_bitmapscan` off for the session). The service's statements
+    /// are all key or `expires_at` lookups, but a plan made while the table
+    /// is new and nearly empty scans it whole, and a prepared statement
+    /// keeps that plan until the next ANALYZE, while the table grows. Off
+    /// for the admin CLI, whose `stats` reads the whole table on purpose.
+    pub index_lookups_only: bool,
 }
 
 impl Default for PoolSettings {
@@ -27,6 +34,7 @@ impl Default for PoolSettings {
             max_connections: 16,
             acquire_timeout: Duration::from_secs(2),
             statement_timeout: Duration::from_secs(5),
+            index_lookups_only: true,
         }
     }
 }
@@ -35,10 +43,13 @@ impl Default for PoolSettings {
 /// while the database is still coming up and recovers when it arrives.
 pub fn pool(options: PgConnectOptions, settings: &PoolSettings) -> PgPool {
     // Every statement is bounded, so a stuck query becomes UNAVAILABLE, not a hung call.
-    let options = options.options([(
+    let mut options = options.options([(
         "statement_timeout",
         format!("{}ms", settings.statement_timeout.as_millis()),
     )]);
+    if settings.index_lookups_only {
+        options = options.options([("enable_seqscan", "off"), ("enable_bitmapscan", "off")]);
+    }
     PgPoolOptions::new()
         .max_connections(settings.max_connections)
         .acquire_timeout(settings.acquire_timeout)

@@ -59,7 +59,15 @@ async fn main() -> anyhow::Result<ExitCode> {
             }
         }
         Command::Admin(args) => {
-            let pool = pool(&args.database)?;
+            let options = args
+                .database
+                .connect_options()
+                .context("parsing DATABASE_URL")?;
+            let settings = db::PoolSettings {
+                index_lookups_only: false,
+                ..args.database.pool_settings()
+            };
+            let pool = db::pool(options, &settings);
             let mut out = std::io::stdout().lock();
             if let Err(error) = admin::run(&pool, args.command, args.json, &mut out).await {
                 eprintln!("idempotencyd admin: {error}");

@@ -273,6 +273,7 @@ impl DatabaseArgs {
             max_connections: self.db_max_connections,
             acquire_timeout: self.db_acquire_timeout,
             statement_timeout: self.statement_timeout,
+            index_lookups_only: true,
         }
     }
 }

@@ -10,6 +10,7 @@ mod fail;
 mod lease;
 mod observability;
 mod outage;
+mod plans;
 mod race;
 mod reaper;
 mod replay_cache;

@@ -1,0 +1,59 @@
+//! The hot path looks records up by key; it never reads the whole table,
+//! not even on a new, empty table, where a plan cached by a prepared
+//! statement would otherwise scan the table until the next ANALYZE.
+
+use std::sync::Arc;
+
+use idempotency_tests::{TestDb, TestServer, record_id, response, unique_key};
+use tokio::sync::Barrier;
+
+use crate::support::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_new_table_is_read_by_key_never_scanned() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let barrier = Arc::new(Barrier::new(32));
+    let tasks: Vec<_> = (0..32)
+        .map(|_| {
+            let (mut client, barrier) = (server.client.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                // Enough rounds that the prepared statements switch to
+                // their generic plans (after five executions).
+                for _ in 0..10 {
+                    let id = record_id(&unique_key("plan"));
+                    let t = token(&acquire(&mut client, &id, b"fp").await);
+                    complete(&mut client, &id, t, response(201, "{}"))
+                        .await
+                        .unwrap();
+                    assert!(matches!(
+                        acquire(&mut client, &id, b"fp").await,
+                        idempotency_client::pb::acquire_response::Outcome::Completed(_)
+                    ));
+                    renew(&mut client, &id, t, 5).await.unwrap_err();
+                    get(&mut client, &id).await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    // The server's connections report their statistics as they close.
+    server.stop().await;
+    // Rows read by sequential scans: the migration's index builds scan the
+    // table too, but while it is empty.
+    let (seq_rows, index_scans): (i64, i64) = sqlx::query_as(
+        "SELECT seq_tup_read, coalesce(idx_scan, 0) FROM pg_stat_user_tables
+         WHERE relname = 'idempotency_records'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(index_scans > 0, "the statistics were not reported");
+    assert_eq!(
+        seq_rows, 0,
+        "statements scanned the table ({index_scans} index scans)"
+    );
+}
