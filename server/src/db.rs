@@ -23,8 +23,10 @@ pub struct PoolSettings {
     /// `enable_bitmapscan` off for the session). The service's statements
     /// are all key or `expires_at` lookups, but a plan made while the table
     /// is new and nearly empty scans it whole, and a prepared statement
-    /// keeps that plan until the next ANALYZE, while the table grows. Off
-    /// for the admin CLI, whose `stats` reads the whole table on purpose.
+    /// keeps that plan until the next ANALYZE, while the table grows. (The
+    /// gauges' exact row count of a small table still scans it: no index
+    /// can answer it.) Off for the admin CLI, whose `stats` reads the whole
+    /// table on purpose.
     pub index_lookups_only: bool,
 }
 
@@ -48,7 +50,14 @@ pub fn pool(options: PgConnectOptions, settings: &PoolSettings) -> PgPool {
         format!("{}ms", settings.statement_timeout.as_millis()),
     )]);
     if settings.index_lookups_only {
-        options = options.options([("enable_seqscan", "off"), ("enable_bitmapscan", "off")]);
+        // JIT off too: a query that must scan anyway (the small-table row
+        // count behind the gauges) carries the planner's huge penalty cost,
+        // which would otherwise trigger JIT compilation on every run.
+        options = options.options([
+            ("enable_seqscan", "off"),
+            ("enable_bitmapscan", "off"),
+            ("jit", "off"),
+        ]);
     }
     PgPoolOptions::new()
         .max_connections(settings.max_connections)

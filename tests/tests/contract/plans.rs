@@ -4,7 +4,11 @@
 
 use std::sync::Arc;
 
-use idempotency_tests::{TestDb, TestServer, record_id, response, unique_key};
+use idempotency_server::startup::ServerConfig;
+use idempotency_tests::{
+    TestDb, TestServer, http_get, metric_value, record_id, response, server_pool, test_config,
+    unique_key,
+};
 use tokio::sync::Barrier;
 
 use crate::support::*;
@@ -12,7 +16,22 @@ use crate::support::*;
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_new_table_is_read_by_key_never_scanned() {
     let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
+    let config = ServerConfig {
+        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+        ..test_config()
+    };
+    let server = TestServer::start_with(config, server_pool(db.connect_options())).await;
+    // The gauges count a small table's rows exactly, which no index can
+    // answer: let their first run (the next is an hour later) see it empty.
+    let page = || http_get(server.metrics_addr.unwrap(), "/metrics");
+    let series = "idempotency_db_query_duration_seconds_count{query=\"table_stats\"}";
+    for _ in 0..100 {
+        if metric_value(&page().await, series).is_some_and(|runs| runs >= 1.0) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(metric_value(&page().await, series).is_some_and(|runs| runs >= 1.0));
     let barrier = Arc::new(Barrier::new(32));
     let tasks: Vec<_> = (0..32)
         .map(|_| {
