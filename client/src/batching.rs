@@ -260,6 +260,20 @@ fn item_status(status: tonic_types::pb::Status) -> Status {
     Status::with_details(code, message, Bytes::from(status.encode_to_vec()))
 }
 
+/// Each item's answer from a batch reply: its response, or its error as the
+/// unary call would have failed with it.
+fn item_results<T>(
+    results: impl Iterator<Item = Option<Result<T, tonic_types::pb::Status>>>,
+) -> Vec<ItemResult<T>> {
+    results
+        .map(|result| match result {
+            Some(Ok(response)) => Ok(response),
+            Some(Err(status)) => Err(item_status(status)),
+            None => Err(Status::internal("a batch item was answered with nothing")),
+        })
+        .collect()
+}
+
 fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
     request.set_timeout(timeout);
@@ -292,15 +306,12 @@ impl BatchRpc for pb::AcquireRequest {
                 .await?
                 .into_inner();
             use pb::batch_acquire_result::Result as Item;
-            Ok(response
-                .results
-                .into_iter()
-                .map(|result| match result.result {
-                    Some(Item::Response(response)) => Ok(response),
-                    Some(Item::Error(status)) => Err(item_status(status)),
-                    None => Err(Status::internal("a batch item was answered with nothing")),
+            Ok(item_results(response.results.into_iter().map(|result| {
+                result.result.map(|item| match item {
+                    Item::Response(response) => Ok(response),
+                    Item::Error(status) => Err(status),
                 })
-                .collect())
+            })))
         })
     }
 }
@@ -331,15 +342,12 @@ impl BatchRpc for pb::CompleteRequest {
                 .await?
                 .into_inner();
             use pb::batch_complete_result::Result as Item;
-            Ok(response
-                .results
-                .into_iter()
-                .map(|result| match result.result {
-                    Some(Item::Response(response)) => Ok(response),
-                    Some(Item::Error(status)) => Err(item_status(status)),
-                    None => Err(Status::internal("a batch item was answered with nothing")),
+            Ok(item_results(response.results.into_iter().map(|result| {
+                result.result.map(|item| match item {
+                    Item::Response(response) => Ok(response),
+                    Item::Error(status) => Err(status),
                 })
-                .collect())
+            })))
         })
     }
 }

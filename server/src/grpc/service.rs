@@ -76,6 +76,26 @@ impl GrpcService {
         result
     }
 
+    /// Checks a batch's size, runs its items, and turns each error into the
+    /// `google.rpc.Status` the unary call would have sent.
+    async fn run_batch<Req, T, Fut>(
+        &self,
+        rpc: &'static str,
+        requests: Vec<Req>,
+        record: impl Fn(&Req) -> Option<&pb::RecordId>,
+        run: impl Fn(Req) -> Fut,
+    ) -> Result<Vec<Result<T, tonic_types::pb::Status>>, Status>
+    where
+        Fut: Future<Output = Result<T, Status>>,
+    {
+        self.check_batch(rpc, requests.len())?;
+        let answers = in_rounds(requests, record, run).await;
+        Ok(answers
+            .into_iter()
+            .map(|answer| answer.map_err(|status| to_rpc_status(&status)))
+            .collect())
+    }
+
     /// Refuses an empty or oversized batch before any item runs.
     fn check_batch(&self, rpc: &'static str, items: usize) -> Result<(), Status> {
         let max = self.engine.limits().max_batch_items;
@@ -186,21 +206,19 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         request: Request<pb::BatchAcquireRequest>,
     ) -> Result<Response<pb::BatchAcquireResponse>, Status> {
         let requests = request.into_inner().requests;
-        self.check_batch("BatchAcquire", requests.len())?;
-        let answers = in_rounds(
-            requests,
-            |item| item.id.as_ref(),
-            |item| self.acquire_one(item),
-        )
-        .await;
+        let answers = self
+            .run_batch(
+                "BatchAcquire",
+                requests,
+                |item| item.id.as_ref(),
+                |item| self.acquire_one(item),
+            )
+            .await?;
         use pb::batch_acquire_result::Result as Item;
         let results = answers
             .into_iter()
             .map(|answer| pb::BatchAcquireResult {
-                result: Some(match answer {
-                    Ok(response) => Item::Response(response),
-                    Err(status) => Item::Error(to_rpc_status(&status)),
-                }),
+                result: Some(answer.map_or_else(Item::Error, Item::Response)),
             })
             .collect();
         Ok(Response::new(pb::BatchAcquireResponse { results }))
@@ -211,21 +229,19 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         request: Request<pb::BatchCompleteRequest>,
     ) -> Result<Response<pb::BatchCompleteResponse>, Status> {
         let requests = request.into_inner().requests;
-        self.check_batch("BatchComplete", requests.len())?;
-        let answers = in_rounds(
-            requests,
-            |item| item.id.as_ref(),
-            |item| self.complete_one(item),
-        )
-        .await;
+        let answers = self
+            .run_batch(
+                "BatchComplete",
+                requests,
+                |item| item.id.as_ref(),
+                |item| self.complete_one(item),
+            )
+            .await?;
         use pb::batch_complete_result::Result as Item;
         let results = answers
             .into_iter()
             .map(|answer| pb::BatchCompleteResult {
-                result: Some(match answer {
-                    Ok(response) => Item::Response(response),
-                    Err(status) => Item::Error(to_rpc_status(&status)),
-                }),
+                result: Some(answer.map_or_else(Item::Error, Item::Response)),
             })
             .collect();
         Ok(Response::new(pb::BatchCompleteResponse { results }))
