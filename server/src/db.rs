@@ -25,8 +25,8 @@ pub struct PoolSettings {
     /// is new and nearly empty scans it whole, and a prepared statement
     /// keeps that plan until the next ANALYZE, while the table grows. (The
     /// gauges' exact row count of a small table still scans it: no index
-    /// can answer it.) Off for the admin CLI, whose `stats` reads the whole
-    /// table on purpose.
+    /// can answer it.) Off for migrations and the admin CLI, which may read
+    /// whole tables on purpose.
     pub index_lookups_only: bool,
 }
 

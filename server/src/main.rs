@@ -18,6 +18,19 @@ fn pool(database: &DatabaseArgs) -> anyhow::Result<sqlx::PgPool> {
     ))
 }
 
+/// A pool whose statements may read whole tables: the admin CLI's `stats`,
+/// and migrations (a backfill reads every row).
+fn scanning_pool(database: &DatabaseArgs) -> anyhow::Result<sqlx::PgPool> {
+    let settings = db::PoolSettings {
+        index_lookups_only: false,
+        ..database.pool_settings()
+    };
+    Ok(db::pool(
+        database.connect_options().context("parsing DATABASE_URL")?,
+        &settings,
+    ))
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<ExitCode> {
     match Cli::parse().into_command() {
@@ -26,7 +39,9 @@ async fn main() -> anyhow::Result<ExitCode> {
             tracing::info!(database = %args.database.database_url.redacted(), "starting");
             let pool = pool(&args.database)?;
             if args.migrate {
-                db::migrate(&pool).await.context("applying migrations")?;
+                db::migrate(&scanning_pool(&args.database)?)
+                    .await
+                    .context("applying migrations")?;
                 tracing::info!("migrations applied");
             }
             telemetry::metrics_handle();
@@ -37,7 +52,7 @@ async fn main() -> anyhow::Result<ExitCode> {
         }
         Command::Migrate(args) => {
             telemetry::init_logs(&args.log);
-            db::migrate(&pool(&args.database)?)
+            db::migrate(&scanning_pool(&args.database)?)
                 .await
                 .context("applying migrations")?;
             tracing::info!(database = %args.database.database_url.redacted(), "migrations applied");
@@ -59,15 +74,7 @@ async fn main() -> anyhow::Result<ExitCode> {
             }
         }
         Command::Admin(args) => {
-            let options = args
-                .database
-                .connect_options()
-                .context("parsing DATABASE_URL")?;
-            let settings = db::PoolSettings {
-                index_lookups_only: false,
-                ..args.database.pool_settings()
-            };
-            let pool = db::pool(options, &settings);
+            let pool = scanning_pool(&args.database)?;
             let mut out = std::io::stdout().lock();
             if let Err(error) = admin::run(&pool, args.command, args.json, &mut out).await {
                 eprintln!("idempotencyd admin: {error}");
