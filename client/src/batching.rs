@@ -15,9 +15,9 @@ use std::{
     pin::Pin,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use futures_util::future::join_all;
@@ -68,6 +68,9 @@ pub(crate) trait BatchRpc: Message + Clone + Sized + 'static {
 struct Queued<R: BatchRpc> {
     request: R,
     bytes: usize,
+    /// The caller's deadline, counted from when it queued: the batch carries
+    /// the earliest of its items', so the server gives up when they do.
+    deadline: Instant,
     reply: tokio::sync::oneshot::Sender<ItemResult<R::Response>>,
 }
 
@@ -85,6 +88,9 @@ pub(crate) struct Batcher<R: BatchRpc> {
     /// Set when the server does not know the batch RPC (an older version):
     /// from then on every call goes alone.
     unsupported: AtomicBool,
+    /// Most calls per batch: `settings.max_items`, halved each time the
+    /// server refuses a batch as too long (its limit is lower).
+    max_items: AtomicUsize,
 }
 
 impl<R: BatchRpc> std::fmt::Debug for Batcher<R> {
@@ -110,6 +116,7 @@ impl<R: BatchRpc + Send> Batcher<R> {
                 in_flight: 0,
             }),
             unsupported: AtomicBool::new(false),
+            max_items: AtomicUsize::new(settings.max_items.max(1)),
         })
     }
 
@@ -131,6 +138,7 @@ impl<R: BatchRpc + Send> Batcher<R> {
                 state.queue.extend(request.take().map(|request| Queued {
                     request,
                     bytes,
+                    deadline: Instant::now() + self.timeout,
                     reply,
                 }));
                 Some(answer)
@@ -152,8 +160,14 @@ impl<R: BatchRpc + Send> Batcher<R> {
 
     /// Sends what is queued, batch after batch, until the queue is empty;
     /// then gives its slot back.
-    async fn drain(self: Arc<Self>) {
-        let _slot = Slot(self.clone());
+    async fn drain(mut handoff: Handoff<R>) {
+        let Some(batcher) = handoff.0.take() else {
+            return;
+        };
+        batcher.drain_with(Slot(batcher.clone())).await;
+    }
+
+    async fn drain_with(&self, _slot: Slot<R>) {
         loop {
             let batch = self.take_batch();
             if batch.is_empty() {
@@ -165,14 +179,17 @@ impl<R: BatchRpc + Send> Batcher<R> {
 
     fn take_batch(&self) -> Vec<Queued<R>> {
         let mut state = self.state.lock().expect("batcher lock");
-        // Calls whose caller went away are not sent.
-        state.queue.retain(|queued| !queued.reply.is_closed());
+        // Calls whose caller went away, or whose deadline passed while they
+        // waited, are not sent.
+        let now = Instant::now();
+        state
+            .queue
+            .retain(|queued| !queued.reply.is_closed() && queued.deadline > now);
+        let max_items = self.max_items.load(Ordering::Relaxed);
         let mut bytes = 0;
         let mut count = 0;
         for queued in &state.queue {
-            if count == self.settings.max_items
-                || (count > 0 && bytes + queued.bytes > self.settings.max_bytes)
-            {
+            if count == max_items || (count > 0 && bytes + queued.bytes > self.settings.max_bytes) {
                 break;
             }
             bytes += queued.bytes;
@@ -181,18 +198,26 @@ impl<R: BatchRpc + Send> Batcher<R> {
         state.queue.drain(..count).collect()
     }
 
-    async fn send(&self, mut batch: Vec<Queued<R>>) {
-        if batch.len() == 1 {
-            let Queued { request, reply, .. } = batch.remove(0);
-            let _ = reply.send(R::unary(self.stub.clone(), request, self.timeout).await);
-            return;
-        }
+    async fn send(&self, batch: Vec<Queued<R>>) {
+        // What is left of the earliest deadline in the batch.
+        let timeout = batch
+            .iter()
+            .map(|queued| queued.deadline)
+            .min()
+            .map_or(self.timeout, |deadline| {
+                deadline.saturating_duration_since(Instant::now())
+            })
+            .max(Duration::from_millis(1));
         let (requests, replies): (Vec<R>, Vec<_>) = batch
             .into_iter()
             .map(|queued| (queued.request, queued.reply))
             .unzip();
+        if requests.len() == 1 || self.unsupported.load(Ordering::Relaxed) {
+            self.send_alone(requests, replies, timeout).await;
+            return;
+        }
         let count = requests.len();
-        match R::batch(self.stub.clone(), requests.clone(), self.timeout).await {
+        match R::batch(self.stub.clone(), requests.clone(), timeout).await {
             Ok(results) if results.len() == count => {
                 for (reply, result) in replies.into_iter().zip(results) {
                     let _ = reply.send(result);
@@ -210,19 +235,66 @@ impl<R: BatchRpc + Send> Batcher<R> {
             Err(status) if status.code() == Code::Unimplemented => {
                 tracing::info!("the idempotency service has no batch RPCs; sending calls alone");
                 self.unsupported.store(true, Ordering::Relaxed);
-                let calls = requests.into_iter().zip(replies).map(|(request, reply)| {
-                    let stub = self.stub.clone();
-                    async move {
-                        let _ = reply.send(R::unary(stub, request, self.timeout).await);
-                    }
-                });
-                join_all(calls).await;
+                self.send_alone(requests, replies, timeout).await;
+            }
+            // The batch is longer than the server takes: smaller ones from now on.
+            Err(status) if status.code() == Code::InvalidArgument => {
+                let halved = (count / 2).max(1);
+                self.max_items.fetch_min(halved, Ordering::Relaxed);
+                tracing::info!(
+                    max_items = halved,
+                    "the idempotency service refused a batch of {count}; sending fewer calls per batch"
+                );
+                self.send_alone(requests, replies, timeout).await;
             }
             Err(status) => {
                 for reply in replies {
                     let _ = reply.send(Err(status.clone()));
                 }
             }
+        }
+    }
+}
+
+impl<R: BatchRpc + Send> Batcher<R> {
+    /// Sends each call as its own unary RPC, all at once.
+    async fn send_alone(
+        &self,
+        requests: Vec<R>,
+        replies: Vec<tokio::sync::oneshot::Sender<ItemResult<R::Response>>>,
+        timeout: Duration,
+    ) {
+        let calls = requests.into_iter().zip(replies).map(|(request, reply)| {
+            let stub = self.stub.clone();
+            async move {
+                let _ = reply.send(R::unary(stub, request, timeout).await);
+            }
+        });
+        join_all(calls).await;
+    }
+}
+
+/// A slot passed to a drain task that has not started. Dropped unpolled (a
+/// runtime shutting down drops new tasks), it gives the slot back without
+/// trying to hand it over again.
+struct Handoff<R: BatchRpc + Send>(Option<Arc<Batcher<R>>>);
+
+impl<R: BatchRpc + Send> Drop for Handoff<R> {
+    fn drop(&mut self) {
+        if let Some(batcher) = self.0.take() {
+            batcher.release_slot();
+        }
+    }
+}
+
+impl<R: BatchRpc + Send> Batcher<R> {
+    fn release_slot(&self) {
+        let mut state = self.state.lock().expect("batcher lock");
+        state.in_flight -= 1;
+        // Nobody left to send the queued calls: their senders drop with the
+        // queue and their callers see an error (and retry).
+        if state.in_flight == 0 {
+            state.queue.clear();
         }
     }
 }
@@ -235,20 +307,17 @@ struct Slot<R: BatchRpc + Send>(Arc<Batcher<R>>);
 impl<R: BatchRpc + Send> Drop for Slot<R> {
     fn drop(&mut self) {
         let batcher = &self.0;
-        let mut state = batcher.state.lock().expect("batcher lock");
+        let state = batcher.state.lock().expect("batcher lock");
         if !state.queue.is_empty()
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
             drop(state);
-            runtime.spawn(batcher.clone().drain());
+            runtime.spawn(Batcher::drain(Handoff(Some(batcher.clone()))));
             return;
         }
-        state.in_flight -= 1;
-        // No runtime to drain with (the process is shutting down): the queued
-        // calls' senders drop with the queue and their callers see an error.
-        if state.in_flight == 0 {
-            state.queue.clear();
-        }
+        // No runtime to drain with (the process is shutting down).
+        drop(state);
+        batcher.release_slot();
     }
 }
 

@@ -304,3 +304,95 @@ async fn a_server_without_batch_rpcs_is_served_call_by_call() {
     assert_eq!(db.row_count().await, CALLERS as i64);
     server.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_server_taking_shorter_batches_gets_shorter_batches() {
+    let db = TestDb::new().await;
+    let mut config = test_config();
+    config.limits.max_batch_items = 4;
+    let server = TestServer::start_with(config, server_pool(db.connect_options())).await;
+    let client = batching_client(server.addr);
+
+    // Every call succeeds, before and after the client learns the limit.
+    for round in 0..2 {
+        let requests: Vec<AcquireRequest> = (0..CALLERS)
+            .map(|_| request(&format!("short-batches-{round}")))
+            .collect();
+        let outcomes = all_at_once(|caller| {
+            let (client, request) = (client.clone(), requests[caller].clone());
+            async move { client.acquire(&request).await }
+        })
+        .await;
+        for outcome in outcomes {
+            assert!(
+                matches!(outcome, Ok(Acquisition::Proceed(_))),
+                "{outcome:?}"
+            );
+        }
+    }
+}
+
+/// A client kept across runtimes (a shared client in tests, a runtime
+/// restarted): calls cut short by a runtime's shutdown give their place
+/// back, so the client keeps working in the next runtime.
+#[test]
+fn a_client_outliving_a_runtime_keeps_working() {
+    let main = tokio::runtime::Runtime::new().unwrap();
+    let (db, server, client, stuck, followers) = main.block_on(async {
+        let db = TestDb::new().await;
+        let server = TestServer::start(&db).await;
+        let client = batching_client(server.addr);
+        let stuck = request("runtime-stuck");
+        let Acquisition::Proceed(stuck_lease) = client.acquire(&stuck).await.unwrap() else {
+            panic!("acquired");
+        };
+        let mut followers = Vec::new();
+        for n in 0..4 {
+            let Acquisition::Proceed(lease) = client
+                .acquire(&request(&format!("runtime-{n}")))
+                .await
+                .unwrap()
+            else {
+                panic!("acquired");
+            };
+            followers.push(lease);
+        }
+        (db, server, client, (stuck, stuck_lease), followers)
+    });
+    let (stuck, mut stuck_lease) = stuck;
+    let lock = main.block_on(lock_record(&db, &stuck.id.key));
+
+    // In a runtime of its own: one Complete goes alone and hangs on the
+    // lock, the others queue behind it; then that runtime shuts down.
+    let other = tokio::runtime::Runtime::new().unwrap();
+    other.block_on(async {
+        let response = StoredResponse::new(201, "done");
+        tokio::spawn(async move { stuck_lease.complete(&StoredResponse::new(201, "x")).await });
+        wait_for_lock_wait(&db).await;
+        for mut lease in followers {
+            let response = response.clone();
+            tokio::spawn(async move { lease.complete(&response).await });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    });
+    drop(other);
+
+    main.block_on(async {
+        drop(lock);
+        let response = StoredResponse::new(201, "after");
+        let request = request("runtime-after");
+        let Acquisition::Proceed(mut lease) =
+            tokio::time::timeout(Duration::from_secs(5), client.acquire(&request))
+                .await
+                .expect("the client is not stuck")
+                .unwrap()
+        else {
+            panic!("acquired");
+        };
+        tokio::time::timeout(Duration::from_secs(5), lease.complete(&response))
+            .await
+            .expect("the client is not stuck")
+            .unwrap();
+        drop(server);
+    });
+}
