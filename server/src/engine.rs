@@ -96,6 +96,7 @@ impl Engine {
         };
         for _ in 0..ATTEMPTS {
             // One round trip: a new key is created, an existing one read.
+            let sent = std::time::Instant::now();
             let row = match self.store.insert_or_read(input.clone()).await? {
                 AcquireAttempt::Inserted(row) => return Ok(acquired(row)),
                 AcquireAttempt::Existing(row) => row,
@@ -116,14 +117,14 @@ impl Engine {
                             response: stored_response(&row)?,
                             completed_at: finished_at(&row)?,
                         };
-                        return Ok(self.remember(&input.id, &row, outcome));
+                        return Ok(self.remember(&input.id, &row, sent, outcome));
                     }
                     RecordState::Failed => {
                         let outcome = AcquireOutcome::Failed {
                             error_response: stored_response(&row)?,
                             failed_at: finished_at(&row)?,
                         };
-                        return Ok(self.remember(&input.id, &row, outcome));
+                        return Ok(self.remember(&input.id, &row, sent, outcome));
                     }
                     // The lease passed or the key was released: take it over below.
                     RecordState::InProgress | RecordState::Released => {}
@@ -316,9 +317,21 @@ fn in_progress(row: &RecordRow) -> AcquireOutcome {
 
 impl Engine {
     /// Keeps a finished record's outcome for later Acquires, and returns it.
-    fn remember(&self, id: &RecordId, row: &RecordRow, outcome: AcquireOutcome) -> AcquireOutcome {
+    fn remember(
+        &self,
+        id: &RecordId,
+        row: &RecordRow,
+        sent: std::time::Instant,
+        outcome: AcquireOutcome,
+    ) -> AcquireOutcome {
         if let Some(cache) = &self.replays {
-            cache.remember(id, row.fingerprint(), &outcome, row.db_now, row.expires_at);
+            cache.remember(
+                id,
+                row.fingerprint(),
+                &outcome,
+                (row.db_now, sent),
+                row.expires_at,
+            );
         }
         outcome
     }

@@ -53,6 +53,9 @@ struct EntryWeight;
 
 /// Per-entry bookkeeping (map slot, Arc, timestamps) beyond the bytes counted.
 const ENTRY_OVERHEAD: u64 = 256;
+/// Per-header bookkeeping (a map node, two strings' headers): a response of
+/// many tiny headers weighs far more than their bytes.
+const HEADER_OVERHEAD: u64 = 96;
 
 impl Weighter<RecordId, Arc<Entry>> for EntryWeight {
     fn weight(&self, _: &RecordId, entry: &Arc<Entry>) -> u64 {
@@ -109,13 +112,16 @@ impl ReplayCache {
         })
     }
 
-    /// Remembers a finished record read at `db_now` that expires at `expires_at`.
+    /// Remembers a finished record that expires at `expires_at`, read by a
+    /// statement that began at `db_now` on the database clock and at
+    /// `sent` on ours: its lifetime counts from before the statement, so a
+    /// slow statement cannot stretch it.
     pub fn remember(
         &self,
         id: &RecordId,
         fingerprint: Fingerprint,
         outcome: &AcquireOutcome,
-        db_now: Timestamp,
+        (db_now, sent): (Timestamp, Instant),
         expires_at: Timestamp,
     ) {
         if !matches!(
@@ -124,8 +130,8 @@ impl ReplayCache {
         ) {
             return;
         }
-        // A second's margin covers the time since the database read, so an
-        // entry never outlives its record.
+        // A second's margin for the clocks' granularity and the statement's
+        // start on the server, so an entry never outlives its record.
         let Some(lives) = (expires_at - db_now)
             .to_std()
             .ok()
@@ -134,17 +140,20 @@ impl ReplayCache {
             return; // Expired, or about to.
         };
         let response = match outcome {
-            AcquireOutcome::Completed { response, .. } => response.size(),
-            AcquireOutcome::Failed { error_response, .. } => error_response.size(),
-            _ => 0,
-        };
+            AcquireOutcome::Completed { response, .. } => Some(response),
+            AcquireOutcome::Failed { error_response, .. } => Some(error_response),
+            _ => None,
+        }
+        .map_or(0, |response| {
+            response.size() as u64 + HEADER_OVERHEAD * response.headers.len() as u64
+        });
         let id_bytes =
             id.namespace().len() + id.operation().len() + id.subject().len() + id.key().len();
         let entry = Entry {
-            weight: ENTRY_OVERHEAD + (response + id_bytes + fingerprint.as_bytes().len()) as u64,
+            weight: ENTRY_OVERHEAD + response + (id_bytes + fingerprint.as_bytes().len()) as u64,
             fingerprint,
             outcome: outcome.clone(),
-            valid_until: Instant::now() + lives.min(self.max_age),
+            valid_until: sent + lives.min(self.max_age),
         };
         self.entries.insert(id.clone(), Arc::new(entry));
     }
