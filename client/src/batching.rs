@@ -349,74 +349,47 @@ fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T> {
     request
 }
 
-impl BatchRpc for pb::AcquireRequest {
-    type Response = pb::AcquireResponse;
+/// `BatchRpc` for a unary RPC and its batch form: the two differ only in
+/// the names the proto gives them.
+macro_rules! batch_rpc {
+    ($request:ident => $response:ident, $unary:ident, $batch:ident($batch_request:ident), $result:ident) => {
+        impl BatchRpc for pb::$request {
+            type Response = pb::$response;
 
-    fn unary(
-        mut stub: Stub,
-        request: Self,
-        timeout: Duration,
-    ) -> BoxFuture<ItemResult<Self::Response>> {
-        Box::pin(async move {
-            stub.acquire(with_timeout(request, timeout))
-                .await
-                .map(tonic::Response::into_inner)
-        })
-    }
-
-    fn batch(
-        mut stub: Stub,
-        requests: Vec<Self>,
-        timeout: Duration,
-    ) -> BoxFuture<Result<Vec<ItemResult<Self::Response>>, Status>> {
-        Box::pin(async move {
-            let response = stub
-                .batch_acquire(with_timeout(pb::BatchAcquireRequest { requests }, timeout))
-                .await?
-                .into_inner();
-            use pb::batch_acquire_result::Result as Item;
-            Ok(item_results(response.results.into_iter().map(|result| {
-                result.result.map(|item| match item {
-                    Item::Response(response) => Ok(response),
-                    Item::Error(status) => Err(status),
+            fn unary(
+                mut stub: Stub,
+                request: Self,
+                timeout: Duration,
+            ) -> BoxFuture<ItemResult<Self::Response>> {
+                Box::pin(async move {
+                    stub.$unary(with_timeout(request, timeout))
+                        .await
+                        .map(tonic::Response::into_inner)
                 })
-            })))
-        })
-    }
+            }
+
+            fn batch(
+                mut stub: Stub,
+                requests: Vec<Self>,
+                timeout: Duration,
+            ) -> BoxFuture<Result<Vec<ItemResult<Self::Response>>, Status>> {
+                Box::pin(async move {
+                    let response = stub
+                        .$batch(with_timeout(pb::$batch_request { requests }, timeout))
+                        .await?
+                        .into_inner();
+                    use pb::$result::Result as Item;
+                    Ok(item_results(response.results.into_iter().map(|result| {
+                        result.result.map(|item| match item {
+                            Item::Response(response) => Ok(response),
+                            Item::Error(status) => Err(status),
+                        })
+                    })))
+                })
+            }
+        }
+    };
 }
 
-impl BatchRpc for pb::CompleteRequest {
-    type Response = pb::CompleteResponse;
-
-    fn unary(
-        mut stub: Stub,
-        request: Self,
-        timeout: Duration,
-    ) -> BoxFuture<ItemResult<Self::Response>> {
-        Box::pin(async move {
-            stub.complete(with_timeout(request, timeout))
-                .await
-                .map(tonic::Response::into_inner)
-        })
-    }
-
-    fn batch(
-        mut stub: Stub,
-        requests: Vec<Self>,
-        timeout: Duration,
-    ) -> BoxFuture<Result<Vec<ItemResult<Self::Response>>, Status>> {
-        Box::pin(async move {
-            let response = stub
-                .batch_complete(with_timeout(pb::BatchCompleteRequest { requests }, timeout))
-                .await?
-                .into_inner();
-            use pb::batch_complete_result::Result as Item;
-            Ok(item_results(response.results.into_iter().map(|result| {
-                result.result.map(|item| match item {
-                    Item::Response(response) => Ok(response),
-                    Item::Error(status) => Err(status),
-                })
-            })))
-        })
-    }
-}
+batch_rpc!(AcquireRequest => AcquireResponse, acquire, batch_acquire(BatchAcquireRequest), batch_acquire_result);
+batch_rpc!(CompleteRequest => CompleteResponse, complete, batch_complete(BatchCompleteRequest), batch_complete_result);
