@@ -3,7 +3,7 @@
 //! the engine reads the record and explains why, in this order: absent or
 //! expired (not found), stale token (aborted), then the record's state.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use crate::{
     domain::{
@@ -88,12 +88,12 @@ impl Engine {
         {
             return Ok(outcome);
         }
-        let input = AcquireInput {
+        let input = Arc::new(AcquireInput {
             id,
             fingerprint,
             ttl,
             lease,
-        };
+        });
         for _ in 0..ATTEMPTS {
             // One round trip: a new key is created, an existing one read.
             let sent = std::time::Instant::now();
@@ -141,9 +141,9 @@ impl Engine {
 
     pub async fn complete(
         &self,
-        id: &RecordId,
+        id: RecordId,
         fencing_token: FencingToken,
-        response: &StoredResponse,
+        response: StoredResponse,
     ) -> Result<Timestamp, Error> {
         response.validate("response", self.limits.max_response_bytes)?;
         self.finish(id, fencing_token, RecordState::Completed, response)
@@ -152,9 +152,9 @@ impl Engine {
 
     pub async fn fail(
         &self,
-        id: &RecordId,
+        id: RecordId,
         fencing_token: FencingToken,
-        failure: &Failure,
+        failure: Failure,
     ) -> Result<RecordState, Error> {
         match failure {
             Failure::Terminal(error_response) => {
@@ -165,10 +165,10 @@ impl Engine {
             }
             Failure::Retryable => {
                 for _ in 0..ATTEMPTS {
-                    if self.store.release(id, fencing_token).await? {
+                    if self.store.release(&id, fencing_token).await? {
                         return Ok(RecordState::Released);
                     }
-                    let row = self.current_holder(id, fencing_token).await?;
+                    let row = self.current_holder(&id, fencing_token).await?;
                     match row.state()? {
                         // A repeated release.
                         RecordState::Released => return Ok(RecordState::Released),
@@ -238,22 +238,22 @@ impl Engine {
     /// Completes or terminally fails; a repeat with the identical response is OK.
     async fn finish(
         &self,
-        id: &RecordId,
+        id: RecordId,
         fencing_token: FencingToken,
         target: RecordState,
-        response: &StoredResponse,
+        response: StoredResponse,
     ) -> Result<Timestamp, Error> {
+        let input = Arc::new(FinishInput {
+            id,
+            fencing_token,
+            state: target,
+            response,
+        });
         for _ in 0..ATTEMPTS {
-            let input = FinishInput {
-                id: id.clone(),
-                fencing_token,
-                state: target,
-                response: response.clone(),
-            };
-            if let Some(at) = self.store.finish(input).await? {
+            if let Some(at) = self.store.finish(input.clone()).await? {
                 return Ok(at);
             }
-            let row = self.current_holder(id, fencing_token).await?;
+            let row = self.current_holder(&input.id, fencing_token).await?;
             let state = row.state()?;
             match state {
                 RecordState::InProgress => continue,
@@ -263,7 +263,7 @@ impl Engine {
                     });
                 }
                 RecordState::Completed | RecordState::Failed => {
-                    if state == target && row.response()?.as_ref() == Some(response) {
+                    if state == target && row.response()?.as_ref() == Some(&input.response) {
                         return finished_at(&row); // A retry of the same call.
                     }
                     return Err(Error::ResponseConflict {

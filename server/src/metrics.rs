@@ -9,7 +9,7 @@ use std::{
     time::Instant,
 };
 
-use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+use metrics::{SharedString, Unit, describe_counter, describe_gauge, describe_histogram};
 
 pub const REQUESTS_TOTAL: &str = "idempotency_requests_total";
 pub const REQUEST_DURATION_SECONDS: &str = "idempotency_request_duration_seconds";
@@ -154,7 +154,9 @@ impl Drop for QueryTimer {
 #[derive(Debug, Clone)]
 pub struct NamespaceLabels {
     max: usize,
-    seen: Arc<RwLock<HashSet<String>>>,
+    /// Shared strings: a label handed out per call is a reference count,
+    /// not an allocation.
+    seen: Arc<RwLock<HashSet<Arc<str>>>>,
 }
 
 /// Label of a call whose namespace could not be read (an invalid request).
@@ -171,22 +173,26 @@ impl NamespaceLabels {
     }
 
     /// The label value for `namespace` (already validated).
-    pub fn label(&self, namespace: &str) -> String {
+    pub fn label(&self, namespace: &str) -> SharedString {
         // Read-mostly: after warm-up every call takes only the read lock.
-        if self
+        if let Some(known) = self
             .seen
             .read()
             .expect("label set lock poisoned")
-            .contains(namespace)
+            .get(namespace)
         {
-            return namespace.to_owned();
+            return SharedString::from(known.clone());
         }
         let mut seen = self.seen.write().expect("label set lock poisoned");
-        if seen.contains(namespace) || seen.len() < self.max {
-            seen.insert(namespace.to_owned());
-            namespace.to_owned()
+        if let Some(known) = seen.get(namespace) {
+            return SharedString::from(known.clone());
+        }
+        if seen.len() < self.max {
+            let label: Arc<str> = Arc::from(namespace);
+            seen.insert(label.clone());
+            SharedString::from(label)
         } else {
-            OTHER_NAMESPACE.to_owned()
+            SharedString::const_str(OTHER_NAMESPACE)
         }
     }
 }
@@ -198,10 +204,10 @@ mod tests {
     #[test]
     fn namespaces_beyond_the_cap_share_other() {
         let labels = NamespaceLabels::new(2);
-        assert_eq!(labels.label("a"), "a");
-        assert_eq!(labels.label("b"), "b");
-        assert_eq!(labels.label("c"), OTHER_NAMESPACE);
-        assert_eq!(labels.label("a"), "a");
-        assert_eq!(labels.label("d"), OTHER_NAMESPACE);
+        assert_eq!(&*labels.label("a"), "a");
+        assert_eq!(&*labels.label("b"), "b");
+        assert_eq!(&*labels.label("c"), OTHER_NAMESPACE);
+        assert_eq!(&*labels.label("a"), "a");
+        assert_eq!(&*labels.label("d"), OTHER_NAMESPACE);
     }
 }

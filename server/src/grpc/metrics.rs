@@ -3,6 +3,7 @@
 
 use std::time::Instant;
 
+use metrics::SharedString;
 use tonic::Code;
 
 use crate::{
@@ -19,7 +20,7 @@ pub struct CallMetrics<'a> {
     started: Instant,
     outcome: &'static str,
     labels: &'a NamespaceLabels,
-    namespace: Option<String>,
+    namespace: SharedString,
 }
 
 impl<'a> CallMetrics<'a> {
@@ -29,19 +30,13 @@ impl<'a> CallMetrics<'a> {
             started: Instant::now(),
             outcome: "cancelled",
             labels,
-            namespace: None,
+            namespace: SharedString::const_str(UNKNOWN_NAMESPACE),
         }
     }
 
     /// Names the caller's namespace once the request parsed.
     pub fn namespace(&mut self, namespace: &str) {
-        self.namespace = Some(self.labels.label(namespace));
-    }
-
-    fn namespace_label(&self) -> String {
-        self.namespace
-            .clone()
-            .unwrap_or_else(|| UNKNOWN_NAMESPACE.to_owned())
+        self.namespace = self.labels.label(namespace);
     }
 
     /// Records how the call ended: `ok`, or the error's code.
@@ -54,7 +49,7 @@ impl<'a> CallMetrics<'a> {
 
     /// Records an Acquire's outcome, and the events behind it.
     pub fn acquire_outcome(&mut self, outcome: &AcquireOutcome) {
-        let namespace = self.namespace_label();
+        let namespace = self.namespace.clone();
         self.outcome = match outcome {
             AcquireOutcome::Acquired { takeover, .. } => {
                 if *takeover {
@@ -86,7 +81,7 @@ impl Drop for CallMetrics<'_> {
             REQUESTS_TOTAL,
             "rpc" => self.rpc,
             "outcome" => self.outcome,
-            "namespace" => self.namespace_label()
+            "namespace" => self.namespace.clone()
         )
         .increment(1);
         metrics::histogram!(REQUEST_DURATION_SECONDS, "rpc" => self.rpc, "outcome" => self.outcome)

@@ -11,9 +11,9 @@ use super::{
     convert,
     metrics::{CallMetrics, record_batch_items},
     pb,
-    status::{invalid_batch, to_rpc_status, to_status},
+    status::{to_rpc_status, to_status},
 };
-use crate::{engine::Engine, metrics::NamespaceLabels};
+use crate::{domain::InvalidField, engine::Engine, metrics::NamespaceLabels};
 
 pub use pb::idempotency_service_server::IdempotencyServiceServer;
 
@@ -65,7 +65,7 @@ impl GrpcService {
             call.namespace(id.namespace());
             let token = convert::fencing_token(request.fencing_token)?;
             let response = convert::stored_response("response", request.response)?;
-            self.engine.complete(&id, token, &response).await
+            self.engine.complete(id, token, response).await
         }
         .await
         .map(|completed_at| pb::CompleteResponse {
@@ -107,9 +107,12 @@ impl GrpcService {
             record_batch_items(rpc, items);
             return Ok(());
         };
-        let status = invalid_batch(problem);
-        CallMetrics::start(rpc, &self.namespaces).finish(&Err::<(), _>(status.clone()));
-        Err(status)
+        let refused = Err(to_status(
+            rpc,
+            InvalidField::new("requests", problem).into(),
+        ));
+        CallMetrics::start(rpc, &self.namespaces).finish(&refused);
+        refused
     }
 }
 
@@ -145,7 +148,7 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
             call.namespace(id.namespace());
             let token = convert::fencing_token(request.fencing_token)?;
             let failure = convert::failure(request.retryable, request.error_response);
-            self.engine.fail(&id, token, &failure).await
+            self.engine.fail(id, token, failure).await
         }
         .await
         .map(|state| {

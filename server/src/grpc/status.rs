@@ -31,17 +31,6 @@ fn with_reason(code: Code, message: String, reason: &str) -> Status {
     Status::with_error_details(code, message, details)
 }
 
-/// A batch call that is empty or longer than the server's limit.
-pub fn invalid_batch(problem: String) -> Status {
-    let mut details = ErrorDetails::with_bad_request_violation("requests", problem.clone());
-    details.set_error_info(reason::INVALID_ARGUMENT, DOMAIN, HashMap::new());
-    Status::with_error_details(
-        Code::InvalidArgument,
-        format!("invalid requests: {problem}"),
-        details,
-    )
-}
-
 /// The `google.rpc.Status` of a failed batch item: exactly what the unary
 /// call would have sent in its `grpc-status-details-bin` trailer.
 pub fn to_rpc_status(status: &Status) -> tonic_types::pb::Status {

@@ -32,11 +32,15 @@ pub trait Batchable: Send + Sync + 'static {
     fn record(&self) -> &RecordId;
 }
 
-type Execute<I, O> =
-    dyn Fn(Arc<[I]>) -> Pin<Box<dyn Future<Output = StoreResult<Vec<O>>> + Send>> + Send + Sync;
+type Execute<I, O> = dyn Fn(Arc<[Arc<I>]>) -> Pin<Box<dyn Future<Output = StoreResult<Vec<O>>> + Send>>
+    + Send
+    + Sync;
 
+/// A queued call. Its input is shared, not copied: the caller may need it
+/// again (to explain a miss, or for the next attempt), and a failed batch
+/// re-runs each call alone.
 struct Job<I, O> {
-    input: I,
+    input: Arc<I>,
     reply: oneshot::Sender<StoreResult<O>>,
 }
 
@@ -106,12 +110,12 @@ impl Drop for RunningGuard {
     }
 }
 
-impl<I: Batchable + Clone, O: Send + 'static> Batcher<I, O> {
+impl<I: Batchable, O: Send + 'static> Batcher<I, O> {
     /// Starts the workers. `execute` runs one statement for the inputs given
     /// and answers in the same order.
     pub fn spawn<E, F>(name: &'static str, settings: BatchSettings, execute: E) -> Self
     where
-        E: Fn(Arc<[I]>) -> F + Send + Sync + 'static,
+        E: Fn(Arc<[Arc<I>]>) -> F + Send + Sync + 'static,
         F: Future<Output = StoreResult<Vec<O>>> + Send + 'static,
     {
         let execute: Arc<Execute<I, O>> = Arc::new(move |inputs| Box::pin(execute(inputs)));
@@ -131,7 +135,7 @@ impl<I: Batchable + Clone, O: Send + 'static> Batcher<I, O> {
     }
 
     /// Runs `input` in the next batch and returns its own answer.
-    pub async fn run(&self, input: I) -> StoreResult<O> {
+    pub async fn run(&self, input: Arc<I>) -> StoreResult<O> {
         let (reply, answer) = oneshot::channel();
         self.queue
             .send(Job { input, reply })
@@ -146,7 +150,7 @@ fn stopped() -> StoreError {
 }
 
 /// A worker: take what is queued (one record at most once), run it, answer.
-async fn work<I: Batchable + Clone, O>(
+async fn work<I: Batchable, O>(
     name: &'static str,
     receiver: Arc<Mutex<mpsc::Receiver<Job<I, O>>>>,
     running: Arc<Running>,
@@ -199,10 +203,10 @@ async fn work<I: Batchable + Clone, O>(
     }
 }
 
-async fn run_batch<I: Clone, O>(execute: &Arc<Execute<I, O>>, jobs: Vec<Job<I, O>>) {
-    // The inputs move into the statement; the replies stay here.
-    let (inputs, replies): (Vec<I>, Vec<_>) = jobs.into_iter().map(|j| (j.input, j.reply)).unzip();
-    let inputs: Arc<[I]> = inputs.into();
+async fn run_batch<I, O>(execute: &Arc<Execute<I, O>>, jobs: Vec<Job<I, O>>) {
+    let (inputs, replies): (Vec<Arc<I>>, Vec<_>) =
+        jobs.into_iter().map(|j| (j.input, j.reply)).unzip();
+    let inputs: Arc<[Arc<I>]> = inputs.into();
     let size = inputs.len();
     match execute(inputs.clone()).await {
         Ok(outputs) if outputs.len() == size => {

@@ -2,7 +2,7 @@
 //! Complete / terminal Fail. The first and the last take any number of
 //! calls at once, so concurrent calls share one statement and one commit.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use sqlx::{PgPool, postgres::types::PgInterval, types::Json};
 
@@ -17,7 +17,7 @@ use crate::{
 };
 
 /// One Acquire as the store sees it.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct AcquireInput {
     pub id: RecordId,
     pub fingerprint: Fingerprint,
@@ -44,7 +44,7 @@ pub enum AcquireAttempt {
 }
 
 /// One Complete or terminal Fail as the store sees it.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct FinishInput {
     pub id: RecordId,
     pub fencing_token: FencingToken,
@@ -84,7 +84,7 @@ impl Store {
     /// Creates the record, or reads it when it exists. One round trip, and
     /// no write at all when the record exists (a replay, a duplicate): only
     /// a new key costs a commit.
-    pub async fn insert_or_read(&self, input: AcquireInput) -> StoreResult<AcquireAttempt> {
+    pub async fn insert_or_read(&self, input: Arc<AcquireInput>) -> StoreResult<AcquireAttempt> {
         match &self.batchers {
             Some(batchers) => batchers.acquire.run(input).await,
             None => single(insert_or_read(&self.pool, std::slice::from_ref(&input)).await),
@@ -93,7 +93,7 @@ impl Store {
 
     /// Moves the live in-progress record held with `fencing_token` to
     /// `completed` or `failed` with its response. `None`: no such record.
-    pub async fn finish(&self, input: FinishInput) -> StoreResult<Option<Timestamp>> {
+    pub async fn finish(&self, input: Arc<FinishInput>) -> StoreResult<Option<Timestamp>> {
         match &self.batchers {
             Some(batchers) => batchers.finish.run(input).await,
             None => single(finish(&self.pool, std::slice::from_ref(&input)).await),
@@ -174,7 +174,7 @@ struct AttemptRow {
 
 async fn insert_or_read(
     pool: &PgPool,
-    inputs: &[AcquireInput],
+    inputs: &[Arc<AcquireInput>],
 ) -> StoreResult<Vec<AcquireAttempt>> {
     // The insert skips existing keys without locking or writing them; the
     // second branch reads those with the statement's snapshot, which cannot
@@ -257,7 +257,7 @@ async fn insert_or_read(
     Ok(attempts)
 }
 
-async fn finish(pool: &PgPool, inputs: &[FinishInput]) -> StoreResult<Vec<Option<Timestamp>>> {
+async fn finish(pool: &PgPool, inputs: &[Arc<FinishInput>]) -> StoreResult<Vec<Option<Timestamp>>> {
     const SQL: &str = "
         UPDATE idempotency_records AS r
         SET state = v.state, lease_expires_at = NULL, completed_at = now(),
