@@ -11,18 +11,11 @@ use idempotency_server::{
     telemetry,
 };
 
-fn pool(database: &DatabaseArgs) -> anyhow::Result<sqlx::PgPool> {
-    Ok(db::pool(
-        database.connect_options().context("parsing DATABASE_URL")?,
-        &database.pool_settings(),
-    ))
-}
-
-/// A pool whose statements may read whole tables: the admin CLI's `stats`,
-/// and migrations (a backfill reads every row).
-fn scanning_pool(database: &DatabaseArgs) -> anyhow::Result<sqlx::PgPool> {
+/// A pool held to index lookups (serving, reaping), or not: migrations (a
+/// backfill reads every row) and the admin CLI's `stats` read whole tables.
+fn connect(database: &DatabaseArgs, index_lookups_only: bool) -> anyhow::Result<sqlx::PgPool> {
     let settings = db::PoolSettings {
-        index_lookups_only: false,
+        index_lookups_only,
         ..database.pool_settings()
     };
     Ok(db::pool(
@@ -37,9 +30,9 @@ async fn main() -> anyhow::Result<ExitCode> {
         Command::Serve(args) => {
             telemetry::init_logs(&args.log);
             tracing::info!(database = %args.database.database_url.redacted(), "starting");
-            let pool = pool(&args.database)?;
+            let pool = connect(&args.database, true)?;
             if args.migrate {
-                db::migrate(&scanning_pool(&args.database)?)
+                db::migrate(&connect(&args.database, false)?)
                     .await
                     .context("applying migrations")?;
                 tracing::info!("migrations applied");
@@ -52,14 +45,14 @@ async fn main() -> anyhow::Result<ExitCode> {
         }
         Command::Migrate(args) => {
             telemetry::init_logs(&args.log);
-            db::migrate(&scanning_pool(&args.database)?)
+            db::migrate(&connect(&args.database, false)?)
                 .await
                 .context("applying migrations")?;
             tracing::info!(database = %args.database.database_url.redacted(), "migrations applied");
         }
         Command::Reap(args) => {
             telemetry::init_logs(&args.log);
-            let pool = pool(&args.database)?;
+            let pool = connect(&args.database, true)?;
             let settings = args.reaper.settings();
             if !args.once {
                 tokio::select! {
@@ -74,7 +67,7 @@ async fn main() -> anyhow::Result<ExitCode> {
             }
         }
         Command::Admin(args) => {
-            let pool = scanning_pool(&args.database)?;
+            let pool = connect(&args.database, false)?;
             let mut out = std::io::stdout().lock();
             if let Err(error) = admin::run(&pool, args.command, args.json, &mut out).await {
                 eprintln!("idempotencyd admin: {error}");

@@ -42,11 +42,8 @@ pub async fn reap(pool: &PgPool, limits: &ReapLimits) -> StoreResult<ReapReport>
     let started = std::time::Instant::now();
     let report = reaper::reap_once(pool, limits).await;
     match &report {
-        Ok(ReapReport::Reaped {
-            deleted,
-            batches,
-            elapsed,
-        }) => {
+        Ok(ReapReport::Reaped { deleted, batches }) => {
+            let elapsed = started.elapsed();
             metrics::counter!(REAPER_RUNS_TOTAL, "result" => "success").increment(1);
             metrics::counter!(REAPER_DELETED_TOTAL).increment(*deleted);
             metrics::histogram!(REAPER_DURATION_SECONDS).record(elapsed.as_secs_f64());

@@ -124,12 +124,11 @@ impl ReplayCache {
         (db_now, sent): (Timestamp, Instant),
         expires_at: Timestamp,
     ) {
-        if !matches!(
-            outcome,
-            AcquireOutcome::Completed { .. } | AcquireOutcome::Failed { .. }
-        ) {
-            return;
-        }
+        let response = match outcome {
+            AcquireOutcome::Completed { response, .. } => response,
+            AcquireOutcome::Failed { error_response, .. } => error_response,
+            _ => return,
+        };
         // A second's margin for the clocks' granularity and the statement's
         // start on the server, so an entry never outlives its record.
         let Some(lives) = (expires_at - db_now)
@@ -139,18 +138,14 @@ impl ReplayCache {
         else {
             return; // Expired, or about to.
         };
-        let response = match outcome {
-            AcquireOutcome::Completed { response, .. } => Some(response),
-            AcquireOutcome::Failed { error_response, .. } => Some(error_response),
-            _ => None,
-        }
-        .map_or(0, |response| {
-            response.size() as u64 + HEADER_OVERHEAD * response.headers.len() as u64
-        });
+        let response_bytes =
+            response.size() as u64 + HEADER_OVERHEAD * response.headers.len() as u64;
         let id_bytes =
             id.namespace().len() + id.operation().len() + id.subject().len() + id.key().len();
         let entry = Entry {
-            weight: ENTRY_OVERHEAD + response + (id_bytes + fingerprint.as_bytes().len()) as u64,
+            weight: ENTRY_OVERHEAD
+                + response_bytes
+                + (id_bytes + fingerprint.as_bytes().len()) as u64,
             fingerprint,
             outcome: outcome.clone(),
             valid_until: sent + lives.min(self.max_age),

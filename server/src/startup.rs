@@ -264,19 +264,26 @@ impl Application {
 async fn serve_metrics(listener: TcpListener, handle: PrometheusHandle) {
     use axum::{Router, routing::get};
     let upkeep = handle.clone();
-    // Histograms and idle entries need periodic upkeep; rendering does some, this does the rest.
-    tokio::spawn(async move {
+    // Histograms and idle entries need periodic upkeep; rendering does some,
+    // this does the rest. It runs beside the listener, within this task, so
+    // that aborting the task stops both.
+    let upkeep = async move {
         let mut ticker = tokio::time::interval(Duration::from_secs(5));
         loop {
             ticker.tick().await;
             upkeep.run_upkeep();
         }
-    });
+    };
     let router = Router::new().route("/metrics", get(move || std::future::ready(handle.render())));
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "serving /metrics");
     }
-    if let Err(error) = axum::serve(listener, router).await {
-        tracing::error!(%error, "metrics endpoint stopped");
+    tokio::select! {
+        result = axum::serve(listener, router) => {
+            if let Err(error) = result {
+                tracing::error!(%error, "metrics endpoint stopped");
+            }
+        }
+        () = upkeep => {}
     }
 }

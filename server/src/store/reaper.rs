@@ -2,7 +2,7 @@
 //! the `expires_at` index, skipping rows another statement has locked, so it
 //! never holds long locks, never waits, and never scans the table.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sqlx::{Connection, PgConnection, PgPool};
 
@@ -38,18 +38,13 @@ impl Default for ReapLimits {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReapReport {
     /// This process held the lock and deleted `deleted` rows in `batches` statements.
-    Reaped {
-        deleted: u64,
-        batches: u64,
-        elapsed: Duration,
-    },
+    Reaped { deleted: u64, batches: u64 },
     /// Another process holds the reaper lock.
     Skipped,
 }
 
 /// Deletes expired records if no other process is reaping.
 pub async fn reap_once(pool: &PgPool, limits: &ReapLimits) -> StoreResult<ReapReport> {
-    let started = Instant::now();
     // The lock lives in this session, so the whole run uses one connection of
     // its own, outside the pool: if the run is cut short, dropping the
     // connection closes the session and so releases the lock.
@@ -65,11 +60,7 @@ pub async fn reap_once(pool: &PgPool, limits: &ReapLimits) -> StoreResult<ReapRe
     // Closing the session releases the lock.
     let _ = connection.close().await;
     let (deleted, batches) = result?;
-    Ok(ReapReport::Reaped {
-        deleted,
-        batches,
-        elapsed: started.elapsed(),
-    })
+    Ok(ReapReport::Reaped { deleted, batches })
 }
 
 async fn delete_batches(
