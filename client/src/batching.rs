@@ -20,11 +20,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use futures_util::future::join_all;
 use prost::Message;
 use tonic::{Code, Status, codegen::Bytes, transport::Channel};
 
-use crate::pb::{self, idempotency_service_client::IdempotencyServiceClient};
+use crate::{
+    client::with_timeout,
+    pb::{self, idempotency_service_client::IdempotencyServiceClient},
+};
 
 /// How concurrent calls of one [`Client`](crate::Client) are batched.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,13 +67,24 @@ pub(crate) trait BatchRpc: Message + Clone + Sized + 'static {
     ) -> BoxFuture<Result<Vec<ItemResult<Self::Response>>, Status>>;
 }
 
+/// What a queued call hears back.
+enum Reply<T> {
+    /// Its own answer, from the batch.
+    Answer(ItemResult<T>),
+    /// The server refused the batch as such (it has no batch RPCs, or takes
+    /// shorter ones): the caller, which still holds its request, sends it alone.
+    SendAlone,
+}
+
+type ReplySender<R> = tokio::sync::oneshot::Sender<Reply<<R as BatchRpc>::Response>>;
+
 struct Queued<R: BatchRpc> {
     request: R,
     bytes: usize,
     /// The caller's deadline, counted from when it queued: the batch carries
     /// the earliest of its items', so the server gives up when they do.
     deadline: Instant,
-    reply: tokio::sync::oneshot::Sender<ItemResult<R::Response>>,
+    reply: ReplySender<R>,
 }
 
 struct State<R: BatchRpc> {
@@ -103,31 +116,32 @@ impl<R: BatchRpc> std::fmt::Debug for Batcher<R> {
 
 impl<R: BatchRpc + Send> Batcher<R> {
     pub(crate) fn new(stub: Stub, settings: Batching, timeout: Duration) -> Arc<Self> {
+        let settings = Batching {
+            max_in_flight: settings.max_in_flight.max(1),
+            max_items: settings.max_items.max(1),
+            max_bytes: settings.max_bytes.max(1),
+        };
         Arc::new(Self {
+            max_items: AtomicUsize::new(settings.max_items),
             stub,
-            settings: Batching {
-                max_in_flight: settings.max_in_flight.max(1),
-                max_items: settings.max_items.max(1),
-                max_bytes: settings.max_bytes.max(1),
-            },
+            settings,
             timeout,
             state: Mutex::new(State {
                 queue: Vec::new(),
                 in_flight: 0,
             }),
             unsupported: AtomicBool::new(false),
-            max_items: AtomicUsize::new(settings.max_items.max(1)),
         })
     }
 
     /// Sends `request` alone or in a batch, and returns its own answer.
-    pub(crate) async fn call(self: &Arc<Self>, request: R) -> ItemResult<R::Response> {
+    pub(crate) async fn call(self: &Arc<Self>, request: &R) -> ItemResult<R::Response> {
         let bytes = request.encoded_len();
         if bytes > self.settings.max_bytes / 4 || self.unsupported.load(Ordering::Relaxed) {
-            return R::unary(self.stub.clone(), request, self.timeout).await;
+            return self.alone(request, self.timeout).await;
         }
-        let mut request = Some(request);
-        let answer = {
+        let deadline = Instant::now() + self.timeout;
+        let queued = {
             let mut state = self.state.lock().expect("batcher lock");
             if state.in_flight < self.settings.max_in_flight {
                 // A free slot means an empty queue: go now, alone.
@@ -135,27 +149,34 @@ impl<R: BatchRpc + Send> Batcher<R> {
                 None
             } else {
                 let (reply, answer) = tokio::sync::oneshot::channel();
-                state.queue.extend(request.take().map(|request| Queued {
-                    request,
+                state.queue.push(Queued {
+                    request: request.clone(),
                     bytes,
-                    deadline: Instant::now() + self.timeout,
+                    deadline,
                     reply,
-                }));
+                });
                 Some(answer)
             }
         };
-        match (answer, request) {
-            (Some(answer), _) => answer.await.unwrap_or_else(|_| {
-                Err(Status::unavailable(
-                    "the batch carrying this call was dropped",
-                ))
-            }),
-            (None, request) => {
-                let request = request.expect("kept when not queued");
-                let _slot = Slot(self.clone());
-                R::unary(self.stub.clone(), request, self.timeout).await
+        let Some(answer) = queued else {
+            let _slot = Slot(self.clone());
+            return self.alone(request, self.timeout).await;
+        };
+        match answer.await {
+            Ok(Reply::Answer(result)) => result,
+            Ok(Reply::SendAlone) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                self.alone(request, left.max(Duration::from_millis(1)))
+                    .await
             }
+            Err(_) => Err(Status::unavailable(
+                "the batch carrying this call was dropped",
+            )),
         }
+    }
+
+    async fn alone(&self, request: &R, timeout: Duration) -> ItemResult<R::Response> {
+        R::unary(self.stub.clone(), request.clone(), timeout).await
     }
 
     /// Sends what is queued, batch after batch, until the queue is empty;
@@ -208,19 +229,26 @@ impl<R: BatchRpc + Send> Batcher<R> {
                 deadline.saturating_duration_since(Instant::now())
             })
             .max(Duration::from_millis(1));
-        let (requests, replies): (Vec<R>, Vec<_>) = batch
+        let (mut requests, replies): (Vec<R>, Vec<_>) = batch
             .into_iter()
             .map(|queued| (queued.request, queued.reply))
             .unzip();
-        if requests.len() == 1 || self.unsupported.load(Ordering::Relaxed) {
-            self.send_alone(requests, replies, timeout).await;
+        if self.unsupported.load(Ordering::Relaxed) {
+            return send_alone(replies);
+        }
+        if requests.len() == 1 {
+            let (Some(request), Some(reply)) = (requests.pop(), replies.into_iter().next()) else {
+                return;
+            };
+            let result = R::unary(self.stub.clone(), request, timeout).await;
+            let _ = reply.send(Reply::Answer(result));
             return;
         }
         let count = requests.len();
-        match R::batch(self.stub.clone(), requests.clone(), timeout).await {
+        match R::batch(self.stub.clone(), requests, timeout).await {
             Ok(results) if results.len() == count => {
                 for (reply, result) in replies.into_iter().zip(results) {
-                    let _ = reply.send(result);
+                    let _ = reply.send(Reply::Answer(result));
                 }
             }
             Ok(results) => {
@@ -228,14 +256,12 @@ impl<R: BatchRpc + Send> Batcher<R> {
                     "a batch of {count} calls was answered with {} results",
                     results.len()
                 ));
-                for reply in replies {
-                    let _ = reply.send(Err(status.clone()));
-                }
+                answer_all(replies, &status);
             }
             Err(status) if status.code() == Code::Unimplemented => {
                 tracing::info!("the idempotency service has no batch RPCs; sending calls alone");
                 self.unsupported.store(true, Ordering::Relaxed);
-                self.send_alone(requests, replies, timeout).await;
+                send_alone(replies);
             }
             // The batch is longer than the server takes: smaller ones from now on.
             Err(status) if status.code() == Code::InvalidArgument => {
@@ -245,32 +271,23 @@ impl<R: BatchRpc + Send> Batcher<R> {
                     max_items = halved,
                     "the idempotency service refused a batch of {count}; sending fewer calls per batch"
                 );
-                self.send_alone(requests, replies, timeout).await;
+                send_alone(replies);
             }
-            Err(status) => {
-                for reply in replies {
-                    let _ = reply.send(Err(status.clone()));
-                }
-            }
+            Err(status) => answer_all(replies, &status),
         }
     }
 }
 
-impl<R: BatchRpc + Send> Batcher<R> {
-    /// Sends each call as its own unary RPC, all at once.
-    async fn send_alone(
-        &self,
-        requests: Vec<R>,
-        replies: Vec<tokio::sync::oneshot::Sender<ItemResult<R::Response>>>,
-        timeout: Duration,
-    ) {
-        let calls = requests.into_iter().zip(replies).map(|(request, reply)| {
-            let stub = self.stub.clone();
-            async move {
-                let _ = reply.send(R::unary(stub, request, timeout).await);
-            }
-        });
-        join_all(calls).await;
+fn answer_all<T>(replies: Vec<tokio::sync::oneshot::Sender<Reply<T>>>, status: &Status) {
+    for reply in replies {
+        let _ = reply.send(Reply::Answer(Err(status.clone())));
+    }
+}
+
+/// Hands each call back to its caller, to send alone.
+fn send_alone<T>(replies: Vec<tokio::sync::oneshot::Sender<Reply<T>>>) {
+    for reply in replies {
+        let _ = reply.send(Reply::SendAlone);
     }
 }
 
@@ -282,20 +299,17 @@ struct Handoff<R: BatchRpc + Send>(Option<Arc<Batcher<R>>>);
 impl<R: BatchRpc + Send> Drop for Handoff<R> {
     fn drop(&mut self) {
         if let Some(batcher) = self.0.take() {
-            batcher.release_slot();
+            release_slot(&mut batcher.state.lock().expect("batcher lock"));
         }
     }
 }
 
-impl<R: BatchRpc + Send> Batcher<R> {
-    fn release_slot(&self) {
-        let mut state = self.state.lock().expect("batcher lock");
-        state.in_flight -= 1;
-        // Nobody left to send the queued calls: their senders drop with the
-        // queue and their callers see an error (and retry).
-        if state.in_flight == 0 {
-            state.queue.clear();
-        }
+fn release_slot<R: BatchRpc>(state: &mut State<R>) {
+    state.in_flight -= 1;
+    // Nobody left to send the queued calls: their senders drop with the
+    // queue and their callers see an error (and retry).
+    if state.in_flight == 0 {
+        state.queue.clear();
     }
 }
 
@@ -307,7 +321,7 @@ struct Slot<R: BatchRpc + Send>(Arc<Batcher<R>>);
 impl<R: BatchRpc + Send> Drop for Slot<R> {
     fn drop(&mut self) {
         let batcher = &self.0;
-        let state = batcher.state.lock().expect("batcher lock");
+        let mut state = batcher.state.lock().expect("batcher lock");
         if !state.queue.is_empty()
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
@@ -315,9 +329,8 @@ impl<R: BatchRpc + Send> Drop for Slot<R> {
             runtime.spawn(Batcher::drain(Handoff(Some(batcher.clone()))));
             return;
         }
-        // No runtime to drain with (the process is shutting down).
-        drop(state);
-        batcher.release_slot();
+        // Nothing queued, or no runtime to drain with (shutting down).
+        release_slot(&mut state);
     }
 }
 
@@ -341,12 +354,6 @@ fn item_results<T>(
             None => Err(Status::internal("a batch item was answered with nothing")),
         })
         .collect()
-}
-
-fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T> {
-    let mut request = tonic::Request::new(message);
-    request.set_timeout(timeout);
-    request
 }
 
 /// `BatchRpc` for a unary RPC and its batch form: the two differ only in

@@ -135,11 +135,12 @@ impl Client {
 
     /// Wraps a channel you built yourself.
     pub fn from_channel(channel: Channel) -> Self {
+        Self::new(channel, ClientOptions::default())
+    }
+
+    fn new(channel: Channel, options: ClientOptions) -> Self {
         Self {
-            inner: Arc::new(Inner::new(
-                IdempotencyServiceClient::new(channel),
-                ClientOptions::default(),
-            )),
+            inner: Arc::new(Inner::new(IdempotencyServiceClient::new(channel), options)),
         }
     }
 
@@ -275,7 +276,7 @@ impl Client {
         message: R,
     ) -> Result<R::Response, Error> {
         match batcher {
-            Some(batcher) => self.attempts(|_, _| batcher.call(message.clone())).await,
+            Some(batcher) => self.attempts(|_, _| batcher.call(&message)).await,
             None => {
                 self.attempts(|stub, timeout| R::unary(stub, message.clone(), timeout))
                     .await
@@ -332,7 +333,7 @@ impl Client {
 }
 
 /// A request carrying its deadline, so the server gives up when the caller does.
-fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T> {
+pub(crate) fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
     request.set_timeout(timeout);
     request
@@ -448,7 +449,7 @@ impl ClientBuilder {
         } else {
             Channel::balance_list(endpoints.into_iter())
         };
-        Ok(Client::from_channel(channel).with_options(self.options))
+        Ok(Client::new(channel, self.options))
     }
 
     /// A client whose (single) endpoint answered; with several endpoints
@@ -466,7 +467,7 @@ impl ClientBuilder {
                 attempts: 1,
                 message: format!("connecting: {error}"),
             })?;
-        Ok(Client::from_channel(channel).with_options(self.options))
+        Ok(Client::new(channel, self.options))
     }
 }
 
