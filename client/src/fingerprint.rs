@@ -36,25 +36,45 @@ pub fn json(value: &Value, excluded: &[&str]) -> Result<Vec<u8>, FingerprintErro
 
 /// Parses `body` as JSON, then as [`json`].
 pub fn json_bytes(body: &[u8], excluded: &[&str]) -> Result<Vec<u8>, FingerprintError> {
+    json_body(body, excluded)
+}
+
+/// [`json_bytes`] for pointers held as `String`s (the HTTP layer's
+/// configuration); the parsed value is pruned in place, without a copy.
+pub(crate) fn json_body<S: AsRef<str>>(
+    body: &[u8],
+    excluded: &[S],
+) -> Result<Vec<u8>, FingerprintError> {
     let value: Value = serde_json::from_slice(body).map_err(FingerprintError::InvalidJson)?;
-    json(&value, excluded)
+    Ok(bytes(canonical_pruned(value, excluded)?.as_bytes()))
 }
 
 /// The RFC 8785 form of `value` without the `excluded` pointers.
 pub fn canonical_json(value: &Value, excluded: &[&str]) -> Result<String, FingerprintError> {
-    let pruned;
-    let value = if excluded.is_empty() {
-        value
-    } else {
-        let mut copy = value.clone();
-        for pointer in excluded {
-            remove_pointer(&mut copy, pointer)?;
-        }
-        pruned = copy;
-        &pruned
-    };
+    if excluded.is_empty() {
+        return canonical(value);
+    }
+    canonical_pruned(value.clone(), excluded)
+}
+
+fn canonical_pruned<S: AsRef<str>>(
+    mut value: Value,
+    excluded: &[S],
+) -> Result<String, FingerprintError> {
+    for pointer in excluded {
+        remove_pointer(&mut value, pointer.as_ref())?;
+    }
+    canonical(&value)
+}
+
+fn canonical(value: &Value) -> Result<String, FingerprintError> {
     serde_json_canonicalizer::to_string(value)
         .map_err(|error| FingerprintError::Canonicalization(error.to_string()))
+}
+
+/// Whether `pointer` is a JSON Pointer (RFC 6901): empty, or starting with `/`.
+pub(crate) fn is_pointer(pointer: &str) -> bool {
+    pointer.is_empty() || pointer.starts_with('/')
 }
 
 /// Removes what `pointer` names; a pointer to nothing removes nothing (the
@@ -65,12 +85,9 @@ fn remove_pointer(value: &mut Value, pointer: &str) -> Result<(), FingerprintErr
         *value = Value::Null;
         return Ok(());
     }
-    let Some(split) = pointer.rfind('/') else {
+    let Some(split) = pointer.rfind('/').filter(|_| is_pointer(pointer)) else {
         return Err(FingerprintError::InvalidPointer(pointer.to_owned()));
     };
-    if !pointer.starts_with('/') {
-        return Err(FingerprintError::InvalidPointer(pointer.to_owned()));
-    }
     let (parent, last) = (&pointer[..split], &pointer[split + 1..]);
     let token = last.replace("~1", "/").replace("~0", "~");
     match value.pointer_mut(parent) {

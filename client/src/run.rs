@@ -7,7 +7,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::{AcquireRequest, Acquisition, Client, Error, StoredResponse};
+use crate::{AcquireRequest, Acquisition, Client, Error, RecordId, StoredResponse};
 
 /// What to do with a business error: give the key back, or store the error for replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -207,10 +207,7 @@ impl Client {
             Err(error)
                 if error.is_unavailable() && options.on_unavailable == OnUnavailable::FailOpen =>
             {
-                metrics::counter!("idempotency_client_fail_open_total", "namespace" => request.id.namespace.clone())
-                    .increment(1);
-                tracing::warn!(%error, namespace = %request.id.namespace, operation = %request.id.operation,
-                    "idempotency service unavailable: running without idempotency (fail open)");
+                note_fail_open(&request.id, &error);
                 let attempt = Attempt {
                     fencing_token: None,
                     lease_lost: Arc::default(),
@@ -283,4 +280,13 @@ impl Client {
             }
         }
     }
+}
+
+/// Counts and logs a call that runs without idempotency because the service
+/// is unreachable (fail open).
+pub(crate) fn note_fail_open(id: &RecordId, error: &Error) {
+    metrics::counter!("idempotency_client_fail_open_total", "namespace" => id.namespace.clone())
+        .increment(1);
+    tracing::warn!(%error, namespace = %id.namespace, operation = %id.operation,
+        "idempotency service unavailable: running without idempotency (fail open)");
 }

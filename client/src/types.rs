@@ -139,7 +139,11 @@ impl StoredResponse {
         pb::StoredResponse {
             status_code: self.status_code,
             body: self.body.clone(),
-            headers: self.headers.clone().into_iter().collect(),
+            headers: self
+                .headers
+                .iter()
+                .map(|(name, value)| (name.clone(), value.clone()))
+                .collect(),
         }
     }
 

@@ -102,8 +102,19 @@ impl HttpConfig {
     }
 
     /// Leave a volatile JSON field out of the fingerprint, by JSON Pointer (e.g. `/meta/trace_id`).
+    ///
+    /// # Panics
+    ///
+    /// When `pointer` is not a JSON Pointer (it must be empty or start with
+    /// `/`): a configuration mistake, caught at start-up rather than by
+    /// every request quietly fingerprinting its raw bytes.
     pub fn exclude_json_pointer(mut self, pointer: impl Into<String>) -> Self {
-        self.excluded_pointers.push(pointer.into());
+        let pointer = pointer.into();
+        assert!(
+            crate::fingerprint::is_pointer(&pointer),
+            "{pointer:?} is not a JSON Pointer: it must start with '/'"
+        );
+        self.excluded_pointers.push(pointer);
         self
     }
 
@@ -113,8 +124,10 @@ impl HttpConfig {
         self
     }
 
-    /// Largest response stored (default 1 MiB, the service's default limit);
-    /// a larger one is answered but not stored, and its key is released.
+    /// Largest response stored (default 1 MiB, the service's default limit).
+    /// A larger one is answered, but the key then stores a terminal 500
+    /// (`response-not-replayable`): the handler ran once and must not run
+    /// again, and its answer cannot be replayed.
     pub fn max_stored_bytes(mut self, bytes: usize) -> Self {
         self.max_stored_bytes = bytes;
         self
@@ -155,5 +168,22 @@ impl HttpConfig {
         self.lease = lease;
         self.renew_every = renew_every;
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_pointers_are_checked_when_configured() {
+        let config = HttpConfig::new("payments")
+            .exclude_json_pointer("/meta/trace_id")
+            .exclude_json_pointer("");
+        assert_eq!(config.excluded_pointers, ["/meta/trace_id", ""]);
+        let refused = std::panic::catch_unwind(|| {
+            HttpConfig::new("payments").exclude_json_pointer("meta/trace_id")
+        });
+        assert!(refused.is_err(), "a pointer without a leading '/' is refused");
     }
 }

@@ -8,15 +8,22 @@ use http::{HeaderValue, Response, StatusCode, header};
 use super::body::ResponseBody;
 
 /// A problem response with a stable `type` URI per problem.
-pub(crate) fn problem(status: StatusCode, kind: &str, detail: &str) -> Response<ResponseBody> {
-    let body = serde_json::json!({
+/// The RFC 9457 problem document (`application/problem+json`).
+pub(crate) fn document(status: StatusCode, kind: &str, detail: &str) -> String {
+    serde_json::json!({
         // A URN: stable, and no claim on a web address we do not serve.
         "type": format!("urn:idempotency:problem:{kind}"),
         "title": status.canonical_reason().unwrap_or("Error"),
         "status": status.as_u16(),
         "detail": detail,
-    });
-    let mut response = Response::new(super::body::full(Bytes::from(body.to_string())));
+    })
+    .to_string()
+}
+
+pub(crate) fn problem(status: StatusCode, kind: &str, detail: &str) -> Response<ResponseBody> {
+    let mut response = Response::new(super::body::full(Bytes::from(document(
+        status, kind, detail,
+    ))));
     *response.status_mut() = status;
     response.headers_mut().insert(
         header::CONTENT_TYPE,

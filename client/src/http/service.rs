@@ -194,10 +194,7 @@ where
                 return Ok(problem::unavailable());
             }
             OnUnavailable::FailOpen => {
-                metrics::counter!("idempotency_client_fail_open_total", "namespace" => config.namespace.clone())
-                    .increment(1);
-                tracing::warn!(%error, operation = %acquire.id.operation,
-                    "idempotency service unavailable: running unprotected (fail open)");
+                crate::run::note_fail_open(&acquire.id, &error);
                 return pass_through(inner, request).await;
             }
         },
@@ -305,14 +302,15 @@ where
 /// instead: the request was processed once, its answer cannot be replayed.
 async fn store_unreplayable(lease: &mut Lease, limit: usize) {
     tracing::warn!(key = %lease.id().key, limit, "response too large to store: retries get a 500");
-    let body = serde_json::json!({
-        "type": "urn:idempotency:problem:response-not-replayable",
-        "title": "Internal Server Error",
-        "status": 500,
-        "detail": format!("the request was processed, but its response exceeded {limit} bytes and cannot be replayed"),
-    });
-    let error = StoredResponse::new(500, body.to_string())
-        .with_header("content-type", "application/problem+json");
+    let body = problem::document(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "response-not-replayable",
+        &format!(
+            "the request was processed, but its response exceeded {limit} bytes and cannot be replayed"
+        ),
+    );
+    let error =
+        StoredResponse::new(500, body).with_header("content-type", "application/problem+json");
     if let Err(error) = lease.fail(&error).await {
         tracing::warn!(%error, key = %lease.id().key, "could not store the failure");
     }
@@ -375,19 +373,15 @@ fn body_fingerprint(parts: &Parts, body: &[u8], config: &HttpConfig) -> Vec<u8> 
         .and_then(|value| value.to_str().ok())
         .and_then(|value| value.split(';').next())
         .map(|mime| {
-            let mime = mime.trim().to_ascii_lowercase();
-            mime == "application/json" || mime.ends_with("+json")
+            let mime = mime.trim();
+            mime.eq_ignore_ascii_case("application/json")
+                || mime
+                    .get(mime.len().saturating_sub(5)..)
+                    .is_some_and(|suffix| suffix.eq_ignore_ascii_case("+json"))
         })
         .unwrap_or(false);
-    if is_json {
-        let excluded: Vec<&str> = config
-            .excluded_pointers
-            .iter()
-            .map(String::as_str)
-            .collect();
-        if let Ok(fingerprint) = fingerprint::json_bytes(body, &excluded) {
-            return fingerprint;
-        }
+    if is_json && let Ok(fingerprint) = fingerprint::json_body(body, &config.excluded_pointers) {
+        return fingerprint;
     }
     fingerprint::bytes(body)
 }
