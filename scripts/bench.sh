@@ -35,8 +35,7 @@ if [ -z "${BENCH_INNER:-}" ]; then
   command -v python3 >/dev/null || { say "python3 is needed for the percentiles and the table"; exit 1; }
   started=$(date +%s)
   say "building release binaries"
-  cargo build --release --locked --bin idempotencyd -p idempotency-server
-  cargo build --release --locked --bin idempotency-bench -p idempotency-bench
+  cargo build --release --locked -p idempotency-server -p idempotency-bench
   status=0
   env -u DATABASE_URL BENCH_INNER=1 PG_FSYNC=on scripts/with-postgres.sh "$0" "$@" || status=$?
   say "make bench took $(($(date +%s) - started)) s"
@@ -109,9 +108,6 @@ sql "INSERT INTO idempotency_records
      ON CONFLICT DO NOTHING"
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-grpc_port=$(free_port)
-metrics_port=$(free_port)
-while [ "$metrics_port" = "$grpc_port" ]; do metrics_port=$(free_port); done
 
 # The server measured: the default one, or the one without the replay cache.
 use_server() { server_pid=$1 endpoint=$2; }

@@ -103,8 +103,8 @@ for case in "${cases[@]}"; do
   if run "helm template ($case)" \
     "$PY" deploy/tools/helm.py template "$RELEASE" "$CHART" "${values[@]}" -n "$NAMESPACE" \
     --split "$dir" --notes "$OUT/$case-NOTES.txt"; then
-    # helm template's combined output, for reading.
-    "$PY" deploy/tools/helm.py template "$RELEASE" "$CHART" "${values[@]}" -n "$NAMESPACE" >"$OUT/$case.yaml" 2>/dev/null
+    # The rendered manifests in one file, for reading.
+    for part in "$dir"/*.yaml; do printf -- '---\n'; cat "$part"; done >"$OUT/$case.yaml"
     run "kubernetes-validate --strict -k $KUBE_VERSION ($case; skips $SKIPPED_KINDS)" validate_case "$dir"
     rules_args=(--rules-out "$OUT/$case-rules.yaml")
     [ "$case" = monitoring-values ] && rules_args+=(--expect-rules deploy/prometheus/alerts.yaml)

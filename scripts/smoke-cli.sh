@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-cargo build --locked --bin idempotencyd
+# The same features as the test build, so the two share their compiled crates.
+cargo build --locked --workspace --all-features --bin idempotencyd
 bin=target/debug/idempotencyd
 db="idempotency_smoke_$$"
 psql -q "$DATABASE_URL" -c "CREATE DATABASE $db" >/dev/null

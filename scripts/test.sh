@@ -11,11 +11,13 @@ scripts/check-deploy.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 scripts/smoke-cli.sh
-if cargo nextest --version >/dev/null 2>&1; then
-  # nextest does not run doctests: the crate docs' quickstart must compile too.
-  cargo test --doc --workspace --all-features --locked
-  cargo nextest run --workspace --all-features --locked --no-fail-fast
-else
-  echo "cargo-nextest not found; using cargo test (install it: cargo install cargo-nextest --locked)" >&2
-  cargo test --workspace --all-features --locked --no-fail-fast
+# nextest, not cargo test: it runs each test in a process of its own, and
+# the metric tests need that (a process has one metrics recorder, which
+# tests sharing a process would all count into).
+if ! cargo nextest --version >/dev/null 2>&1; then
+  echo "test: installing cargo-nextest (cargo install cargo-nextest --locked)" >&2
+  cargo install cargo-nextest --locked
 fi
+# nextest does not run doctests: the crate docs' quickstart must compile too.
+cargo test --doc --workspace --all-features --locked
+cargo nextest run --workspace --all-features --locked --no-fail-fast
