@@ -52,6 +52,11 @@ impl TestServer {
         Self::start_with(test_config(), server_pool(db.connect_options())).await
     }
 
+    /// Starts a server on `db` with `config` and the production pool settings.
+    pub async fn start_config(db: &TestDb, config: ServerConfig) -> Self {
+        Self::start_with(config, server_pool(db.connect_options())).await
+    }
+
     pub async fn start_with(config: ServerConfig, pool: PgPool) -> Self {
         let app = Application::build(config, pool).await.expect("binding");
         let addr = app.grpc_addr();

@@ -184,6 +184,9 @@ mod tests {
         let refused = std::panic::catch_unwind(|| {
             HttpConfig::new("payments").exclude_json_pointer("meta/trace_id")
         });
-        assert!(refused.is_err(), "a pointer without a leading '/' is refused");
+        assert!(
+            refused.is_err(),
+            "a pointer without a leading '/' is refused"
+        );
     }
 }

@@ -17,7 +17,7 @@ use idempotency_server::{
     store::Store,
 };
 use idempotency_tests::{
-    TestDb, TestServer, http_get, lock_record, metric_value, server_pool, test_config, unique_key,
+    TestDb, TestServer, http_get, lock_record, metric_value, test_config, unique_key,
     wait_for_lock_wait,
 };
 use tokio::sync::Barrier;
@@ -47,7 +47,7 @@ async fn server_with_metrics(db: &TestDb) -> TestServer {
         metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
         ..test_config()
     };
-    TestServer::start_with(config, server_pool(db.connect_options())).await
+    TestServer::start_config(&db, config).await
 }
 
 /// Items the server received in batch calls of `rpc`, and how many such calls.
@@ -276,7 +276,7 @@ impl pb::idempotency_service_server::IdempotencyService for WithoutBatches {
 async fn a_server_without_batch_rpcs_is_served_call_by_call() {
     let db = TestDb::new().await;
     let engine = Engine::new(
-        Store::new(server_pool(db.connect_options())),
+        Store::new(idempotency_tests::server_pool(db.connect_options())),
         Limits::default(),
     );
     let service = WithoutBatches(GrpcService::new(engine, NamespaceLabels::new(10)));
@@ -310,7 +310,8 @@ async fn a_server_taking_shorter_batches_gets_shorter_batches() {
     let db = TestDb::new().await;
     let mut config = test_config();
     config.limits.max_batch_items = 4;
-    let server = TestServer::start_with(config, server_pool(db.connect_options())).await;
+    config.metrics_addr = Some("127.0.0.1:0".parse().unwrap());
+    let server = TestServer::start_config(&db, config).await;
     let client = batching_client(server.addr);
 
     // Every call succeeds, before and after the client learns the limit.
@@ -330,6 +331,22 @@ async fn a_server_taking_shorter_batches_gets_shorter_batches() {
             );
         }
     }
+    // Batching went on, within the server's limit: batches were accepted,
+    // none longer than 4 (refused ones are not counted).
+    let page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
+    let (items, calls) = batched(&server, "BatchAcquire").await;
+    assert!(
+        calls >= 1.0 && items > calls,
+        "{items} items in {calls} calls"
+    );
+    assert_eq!(
+        metric_value(
+            &page,
+            "idempotency_batch_items_bucket{rpc=\"BatchAcquire\",le=\"4\"}"
+        ),
+        Some(calls),
+        "every accepted batch held at most 4 items"
+    );
 }
 
 /// A client kept across runtimes (a shared client in tests, a runtime

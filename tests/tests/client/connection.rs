@@ -71,9 +71,10 @@ async fn the_client_speaks_tls_to_a_server_whose_certificate_it_trusts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn several_endpoints_are_balanced_and_one_going_away_is_survived() {
-    let db = TestDb::new().await;
-    let first = TestServer::start(&db).await;
-    let second = TestServer::start(&db).await;
+    // A database each, so that each server's rows show which calls it served.
+    let (first_db, second_db) = (TestDb::new().await, TestDb::new().await);
+    let first = TestServer::start(&first_db).await;
+    let second = TestServer::start(&second_db).await;
     let client = Client::builder()
         .endpoints([
             format!("http://{}", first.addr),
@@ -89,13 +90,26 @@ async fn several_endpoints_are_balanced_and_one_going_away_is_survived() {
             },
             ..ClientOptions::default()
         });
-    for n in 0..10 {
+    // Calls go to both servers (each call picks one at random, once both
+    // are connected): stop as soon as each served one, or give up.
+    for n in 0..200 {
         let outcome = client
             .acquire(&request(&format!("balanced{n}")))
             .await
             .unwrap();
         assert!(matches!(outcome, Acquisition::Proceed(_)));
+        if n >= 10 && first_db.row_count().await > 0 && second_db.row_count().await > 0 {
+            break;
+        }
     }
+    assert!(
+        first_db.row_count().await > 0,
+        "the first server got no call"
+    );
+    assert!(
+        second_db.row_count().await > 0,
+        "the second server got no call"
+    );
 
     first.stop().await;
 

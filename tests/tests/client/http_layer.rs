@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use idempotency_client::{OnUnavailable, http::HttpConfig};
+use idempotency_client::{OnUnavailable, RecordId, RecordState, http::HttpConfig};
 use idempotency_tests::{
     TestDb, TestServer,
     http_app::{HttpClient, PaymentsApp},
@@ -44,7 +44,9 @@ async fn a_client_that_timed_out_and_retries_gets_409_then_the_replayed_201_and_
         Some("application/problem+json")
     );
 
-    tokio::time::sleep(BANK_DELAY + Duration::from_millis(300)).await;
+    // Once the first attempt completed (the bank takes BANK_DELAY) ...
+    let id = RecordId::new("shop", "POST /payments", key.clone()).with_subject("alice");
+    wait_for_state(&client_of(&server), &id, RecordState::Completed).await;
     let later = http.post("/payments", Some(&key), "alice", body).await;
 
     assert_eq!(later.status, 201, "{later:?}");
@@ -288,7 +290,9 @@ async fn a_handler_slower_than_its_lease_keeps_the_key_by_renewing() {
     let server = TestServer::start(&db).await;
     let config =
         HttpConfig::new("shop").lease(Duration::from_secs(1), Some(Duration::from_millis(300)));
-    let app = PaymentsApp::start(client_of(&server), config, Duration::from_millis(2500)).await;
+    // The handler takes 4 s; the second request comes at 2.5 s, well past the
+    // first lease second and well before the handler ends.
+    let app = PaymentsApp::start(client_of(&server), config, Duration::from_millis(4000)).await;
     let http = HttpClient::new(app.addr);
     let key = unique_key("slow");
 
@@ -297,7 +301,7 @@ async fn a_handler_slower_than_its_lease_keeps_the_key_by_renewing() {
         let key = key.clone();
         async move { http.post("/payments", Some(&key), "judy", "{}").await }
     });
-    tokio::time::sleep(Duration::from_millis(1800)).await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     let during = http.post("/payments", Some(&key), "judy", "{}").await;
 
     assert_eq!(

@@ -3,28 +3,10 @@
 use std::time::Duration;
 
 use idempotency_client::pb::acquire_response::Outcome;
-use idempotency_server::{
-    admin,
-    settings::{AdminCommand, RecordIdArgs},
-};
+use idempotency_server::{admin, settings::AdminCommand};
 use idempotency_tests::{TestDb, TestServer, insert_records, record_id, response, unique_key};
 
 use crate::support::*;
-
-fn id_args(id: &idempotency_client::pb::RecordId) -> RecordIdArgs {
-    RecordIdArgs {
-        namespace: id.namespace.clone(),
-        operation: id.operation.clone(),
-        subject: id.subject.clone(),
-        key: id.key.clone(),
-    }
-}
-
-async fn run(db: &TestDb, command: AdminCommand, json: bool) -> Result<String, admin::AdminError> {
-    let mut out = Vec::new();
-    admin::run(&db.pool, command, json, &mut out).await?;
-    Ok(String::from_utf8(out).unwrap())
-}
 
 #[tokio::test]
 async fn get_shows_a_record_for_people_and_for_scripts() {
@@ -37,11 +19,11 @@ async fn get_shows_a_record_for_people_and_for_scripts() {
         .await
         .unwrap();
 
-    let text = run(&db, AdminCommand::Get(id_args(&id)), false)
+    let text = run_admin(&db, AdminCommand::Get(id_args(&id)), false)
         .await
         .unwrap();
     let json: serde_json::Value = serde_json::from_str(
-        &run(&db, AdminCommand::Get(id_args(&id)), true)
+        &run_admin(&db, AdminCommand::Get(id_args(&id)), true)
             .await
             .unwrap(),
     )
@@ -56,7 +38,7 @@ async fn get_shows_a_record_for_people_and_for_scripts() {
     assert_eq!(json["response_status"], 201);
     // 10 body bytes + content-type/application/json + location//payments/42
     assert_eq!(json["response_bytes"], 10 + 12 + 16 + 8 + 12);
-    let missing = run(
+    let missing = run_admin(
         &db,
         AdminCommand::Get(id_args(&record_id("no-such-key"))),
         false,
@@ -76,7 +58,7 @@ async fn purge_frees_a_key_at_once() {
         .await
         .unwrap();
 
-    run(&db, AdminCommand::Purge(id_args(&id)), false)
+    run_admin(&db, AdminCommand::Purge(id_args(&id)), false)
         .await
         .unwrap();
 
@@ -85,7 +67,7 @@ async fn purge_frees_a_key_at_once() {
         panic!()
     };
     assert_eq!(acquired.fencing_token, 1);
-    let again = run(
+    let again = run_admin(
         &db,
         AdminCommand::Purge(id_args(&record_id("no-such-key"))),
         false,
@@ -107,7 +89,7 @@ async fn stuck_lists_lapsed_leases_older_than_asked_and_stats_counts_by_namespac
     wait_past(1).await;
 
     let stuck: serde_json::Value = serde_json::from_str(
-        &run(
+        &run_admin(
             &db,
             AdminCommand::Stuck {
                 older_than: Duration::ZERO,
@@ -119,7 +101,7 @@ async fn stuck_lists_lapsed_leases_older_than_asked_and_stats_counts_by_namespac
         .unwrap(),
     )
     .unwrap();
-    let not_yet = run(
+    let not_yet = run_admin(
         &db,
         AdminCommand::Stuck {
             older_than: Duration::from_secs(3600),
@@ -130,8 +112,8 @@ async fn stuck_lists_lapsed_leases_older_than_asked_and_stats_counts_by_namespac
     .await
     .unwrap();
     let stats: serde_json::Value =
-        serde_json::from_str(&run(&db, AdminCommand::Stats, true).await.unwrap()).unwrap();
-    let stats_text = run(&db, AdminCommand::Stats, false).await.unwrap();
+        serde_json::from_str(&run_admin(&db, AdminCommand::Stats, true).await.unwrap()).unwrap();
+    let stats_text = run_admin(&db, AdminCommand::Stats, false).await.unwrap();
 
     let keys: Vec<_> = stuck
         .as_array()

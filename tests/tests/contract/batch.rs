@@ -7,9 +7,7 @@ use idempotency_client::pb::{
     self, acquire_response::Outcome, batch_acquire_result, batch_complete_result,
 };
 use idempotency_server::startup::ServerConfig;
-use idempotency_tests::{
-    TestDb, TestServer, record_id, response, server_pool, test_config, unique_key,
-};
+use idempotency_tests::{TestDb, TestServer, record_id, response, test_config, unique_key};
 use prost::Message;
 use tokio::sync::Barrier;
 use tonic::{Code, Status, codegen::Bytes};
@@ -96,7 +94,7 @@ async fn batch_acquire_keeps_the_order_of_a_records_items_without_group_commit_t
         batching: None,
         ..test_config()
     };
-    let server = TestServer::start_with(config, server_pool(db.connect_options())).await;
+    let server = TestServer::start_config(&db, config).await;
     every_item_answered_as_the_unary_call(&server).await;
 }
 

@@ -1,8 +1,6 @@
 //! Health, reflection and /metrics, as operators and tools see them.
 
-use idempotency_tests::{
-    TestDb, TestServer, http_get, record_id, server_pool, test_config, unique_key,
-};
+use idempotency_tests::{TestDb, TestServer, http_get, record_id, test_config, unique_key};
 use tokio_stream::StreamExt;
 use tonic_health::pb::{health_check_response::ServingStatus, health_client::HealthClient};
 
@@ -15,7 +13,7 @@ async fn metrics_count_calls_by_rpc_and_outcome_with_help_text() {
         metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
         ..test_config()
     };
-    let server = TestServer::start_with(config, server_pool(db.connect_options())).await;
+    let server = TestServer::start_config(&db, config).await;
     let mut client = server.client.clone();
     let id = record_id(&unique_key("metrics"));
     token(&acquire(&mut client, &id, b"fp").await);
@@ -112,7 +110,7 @@ async fn observed_server(db: &TestDb, max_namespaces: usize) -> TestServer {
         max_metric_namespaces: max_namespaces,
         ..test_config()
     };
-    TestServer::start_with(config, server_pool(db.connect_options())).await
+    TestServer::start_config(&db, config).await
 }
 
 /// Polls /metrics until `series` has a value satisfying `expected`.

@@ -117,22 +117,9 @@ async fn an_exhausted_pool_answers_unavailable_instead_of_hanging() {
     });
     idempotency_tests::wait_for_lock_wait(&db).await;
 
-    let other = acquire_request_raw(&mut client, &record_id(&unique_key("other"))).await;
+    let other = try_acquire(&mut client, &record_id(&unique_key("other")), b"").await;
 
     assert_error(other, Code::Unavailable, "DATABASE_UNAVAILABLE");
     blocker.rollback().await.unwrap();
     assert!(stuck.await.unwrap().is_ok());
-}
-
-async fn acquire_request_raw(
-    client: &mut Client,
-    id: &pb::RecordId,
-) -> Result<pb::AcquireResponse, tonic::Status> {
-    client
-        .acquire(pb::AcquireRequest {
-            id: Some(id.clone()),
-            ..Default::default()
-        })
-        .await
-        .map(tonic::Response::into_inner)
 }

@@ -6,8 +6,7 @@ use std::sync::Arc;
 
 use idempotency_server::startup::ServerConfig;
 use idempotency_tests::{
-    TestDb, TestServer, http_get, metric_value, record_id, response, server_pool, test_config,
-    unique_key,
+    TestDb, TestServer, http_get, metric_value, record_id, response, test_config, unique_key,
 };
 use tokio::sync::Barrier;
 
@@ -20,7 +19,7 @@ async fn a_new_table_is_read_by_key_never_scanned() {
         metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
         ..test_config()
     };
-    let server = TestServer::start_with(config, server_pool(db.connect_options())).await;
+    let server = TestServer::start_config(&db, config).await;
     // The gauges count a small table's rows exactly, which no index can
     // answer: let their first run (the next is an hour later) see it empty.
     let page = || http_get(server.metrics_addr.unwrap(), "/metrics");

@@ -4,9 +4,7 @@
 use std::sync::Arc;
 
 use idempotency_client::pb::{self, acquire_response::Outcome};
-use idempotency_tests::{
-    TestDb, TestServer, record_id, response, server_pool, test_config, unique_key,
-};
+use idempotency_tests::{TestDb, TestServer, record_id, response, test_config, unique_key};
 use tokio::sync::Barrier;
 
 use crate::support::*;
@@ -61,7 +59,7 @@ async fn sixty_four_concurrent_acquires_give_exactly_one_holder_without_batching
         batching: None,
         ..test_config()
     };
-    let server = TestServer::start_with(config, server_pool(db.connect_options())).await;
+    let server = TestServer::start_config(&db, config).await;
     one_holder_then_identical_replays(&server).await;
 }
 
@@ -149,7 +147,7 @@ async fn full_batches_with_many_keys_and_duplicates_give_exactly_one_holder_per_
         }),
         ..test_config()
     };
-    let server = TestServer::start_with(config, server_pool(db.connect_options())).await;
+    let server = TestServer::start_config(&db, config).await;
     let clients = clients(&server).await;
     let ids: Vec<_> = (0..KEYS)
         .map(|n| record_id(&unique_key(&format!("batch{n}"))))

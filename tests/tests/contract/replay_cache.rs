@@ -7,14 +7,10 @@ use std::time::Duration;
 
 use idempotency_client::pb::{self, acquire_response::Outcome};
 use idempotency_server::{
-    admin,
-    replay_cache::ReplayCacheSettings,
-    settings::{AdminCommand, RecordIdArgs},
-    startup::ServerConfig,
+    replay_cache::ReplayCacheSettings, settings::AdminCommand, startup::ServerConfig,
 };
 use idempotency_tests::{
-    TestDb, TestServer, record_id, response, server_behind_proxy_with, server_pool, test_config,
-    unique_key,
+    TestDb, TestServer, record_id, response, server_behind_proxy_with, test_config, unique_key,
 };
 use tonic::Code;
 
@@ -85,13 +81,7 @@ async fn a_finished_record_is_replayed_from_memory_even_while_the_database_is_do
     ));
     // Anything else still needs the database.
     let fresh = record_id(&unique_key("uncached"));
-    let unavailable = client
-        .acquire(pb::AcquireRequest {
-            id: Some(fresh),
-            fingerprint: b"fp".to_vec(),
-            ..Default::default()
-        })
-        .await;
+    let unavailable = try_acquire(&mut client, &fresh, b"fp").await;
     assert_error(unavailable, Code::Unavailable, "DATABASE_UNAVAILABLE");
 }
 
@@ -102,25 +92,19 @@ async fn without_the_cache_every_replay_reads_the_database() {
     let mut client = server.client.clone();
     let done = completed_and_replayed(&mut client, "uncached", "{}").await;
     proxy.cut().await;
-    let unavailable = client
-        .acquire(pb::AcquireRequest {
-            id: Some(done),
-            fingerprint: b"fp".to_vec(),
-            ..Default::default()
-        })
-        .await;
+    let unavailable = try_acquire(&mut client, &done, b"fp").await;
     assert_error(unavailable, Code::Unavailable, "DATABASE_UNAVAILABLE");
 }
 
 #[tokio::test]
 async fn a_cached_record_is_never_replayed_after_it_expires() {
     let db = TestDb::new().await;
-    let server = TestServer::start_with(
+    let server = TestServer::start_config(
+        &db,
         with_cache(Some(ReplayCacheSettings {
             max_age: Duration::from_secs(3600),
             ..ReplayCacheSettings::default()
         })),
-        server_pool(db.connect_options()),
     )
     .await;
     let mut client = server.client.clone();
@@ -150,26 +134,22 @@ async fn a_cached_record_is_never_replayed_after_it_expires() {
 #[tokio::test]
 async fn a_purge_reaches_a_replica_that_cached_the_record_within_the_max_age() {
     let db = TestDb::new().await;
-    let max_age = Duration::from_secs(1);
-    let server = TestServer::start_with(
+    // Long enough that the replay right after the purge surely falls within it.
+    let max_age = Duration::from_secs(3);
+    let server = TestServer::start_config(
+        &db,
         with_cache(Some(ReplayCacheSettings {
             max_age,
             ..ReplayCacheSettings::default()
         })),
-        server_pool(db.connect_options()),
     )
     .await;
     let mut client = server.client.clone();
     let id = completed_and_replayed(&mut client, "cached-purge", "{}").await;
 
-    let mut out = Vec::new();
-    let purge = AdminCommand::Purge(RecordIdArgs {
-        namespace: id.namespace.clone(),
-        operation: id.operation.clone(),
-        subject: id.subject.clone(),
-        key: id.key.clone(),
-    });
-    admin::run(&db.pool, purge, false, &mut out).await.unwrap();
+    run_admin(&db, AdminCommand::Purge(id_args(&id)), false)
+        .await
+        .unwrap();
 
     // Until the entry's max age passes, this replica still replays...
     assert!(matches!(

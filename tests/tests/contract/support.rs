@@ -142,3 +142,40 @@ pub fn assert_error(
 pub async fn wait_past(seconds: u64) {
     tokio::time::sleep(std::time::Duration::from_millis(seconds * 1000 + 150)).await;
 }
+
+/// An Acquire whose error the test inspects.
+pub async fn try_acquire(
+    client: &mut Client,
+    id: &pb::RecordId,
+    fingerprint: &[u8],
+) -> Result<pb::AcquireResponse, Status> {
+    client
+        .acquire(pb::AcquireRequest {
+            id: Some(id.clone()),
+            fingerprint: fingerprint.to_vec(),
+            ..Default::default()
+        })
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+/// The admin CLI's id arguments for `id`.
+pub fn id_args(id: &pb::RecordId) -> idempotency_server::settings::RecordIdArgs {
+    idempotency_server::settings::RecordIdArgs {
+        namespace: id.namespace.clone(),
+        operation: id.operation.clone(),
+        subject: id.subject.clone(),
+        key: id.key.clone(),
+    }
+}
+
+/// Runs an admin CLI command against `db` and returns what it printed.
+pub async fn run_admin(
+    db: &idempotency_tests::TestDb,
+    command: idempotency_server::settings::AdminCommand,
+    json: bool,
+) -> Result<String, idempotency_server::admin::AdminError> {
+    let mut out = Vec::new();
+    idempotency_server::admin::run(&db.pool, command, json, &mut out).await?;
+    Ok(String::from_utf8(out).unwrap())
+}
