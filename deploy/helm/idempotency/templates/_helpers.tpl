@@ -112,6 +112,10 @@ CronJob reaps.
 IDEMPOTENCY_GRPC_ADDR: {{ printf "0.0.0.0:%d" (int .Values.ports.grpc) | quote }}
 IDEMPOTENCY_METRICS_ADDR: {{ printf "0.0.0.0:%d" (int .Values.ports.metrics) | quote }}
 IDEMPOTENCY_MIGRATE: {{ $c.migrateOnStart | toString | quote }}
+IDEMPOTENCY_BATCHING: {{ $c.batching | toString | quote }}
+IDEMPOTENCY_BATCH_WORKERS: {{ int64 $c.batchWorkers | toString | quote }}
+IDEMPOTENCY_BATCH_OVERLAP_AFTER: {{ $c.batchOverlapAfter | quote }}
+IDEMPOTENCY_BATCH_MAX_SIZE: {{ int64 $c.batchMaxSize | toString | quote }}
 IDEMPOTENCY_DEFAULT_TTL: {{ $c.defaultTtl | quote }}
 IDEMPOTENCY_MAX_TTL: {{ $c.maxTtl | quote }}
 IDEMPOTENCY_DEFAULT_LEASE: {{ $c.defaultLease | quote }}
