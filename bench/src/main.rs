@@ -103,8 +103,9 @@ struct Cli {
     /// Body size of each stored response.
     #[arg(long, default_value_t = 256)]
     payload_bytes: usize,
-    /// gRPC (HTTP/2) connections; the tasks share them round-robin.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    /// gRPC (HTTP/2) connections, a client each; the tasks share them
+    /// round-robin. One, as a service process has one client.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
     connections: u64,
     /// contention: number of hot keys (default 4); replay and mixed: number of
     /// keys completed before the timed part (default 1000).
