@@ -47,7 +47,7 @@ async fn server_with_metrics(db: &TestDb) -> TestServer {
         metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
         ..test_config()
     };
-    TestServer::start_config(&db, config).await
+    TestServer::start_config(db, config).await
 }
 
 /// Items the server received in batch calls of `rpc`, and how many such calls.

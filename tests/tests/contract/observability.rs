@@ -110,7 +110,7 @@ async fn observed_server(db: &TestDb, max_namespaces: usize) -> TestServer {
         max_metric_namespaces: max_namespaces,
         ..test_config()
     };
-    TestServer::start_config(&db, config).await
+    TestServer::start_config(db, config).await
 }
 
 /// Polls /metrics until `series` has a value satisfying `expected`.
