@@ -2,11 +2,14 @@
 //! one [`Client`](crate::Client) travel together in one `BatchAcquire`
 //! (`BatchComplete`) call. Each call still gets its own answer or error.
 //!
-//! There is no waiting window. A call that finds fewer than `max_in_flight`
-//! requests of its kind on the wire goes at once, alone, as the unary RPC, so
-//! a lightly loaded caller pays nothing. Calls made while `max_in_flight` are
-//! on the wire queue up; whichever request finishes first sends everything
-//! queued (up to `max_items`) as one batch. Under load this turns many small
+//! There is no timed window. A call that finds fewer than `max_in_flight`
+//! requests of its kind on the wire leads the next one: it lets the scheduler
+//! run once (so calls that are ready to run, typically those woken by the
+//! same reply, join it) and sends what has queued, alone as the unary RPC if
+//! nothing joined. A lightly loaded caller pays one scheduler turn,
+//! microseconds. Calls made while `max_in_flight` are on the wire queue up;
+//! whichever request finishes first sends everything queued (up to
+//! `max_items`) as one batch. Under load this turns many small
 //! HTTP/2 messages into few large ones, and the server puts a batch's items
 //! in shared database statements.
 
@@ -90,6 +93,8 @@ struct Queued<R: BatchRpc> {
 struct State<R: BatchRpc> {
     queue: Vec<Queued<R>>,
     in_flight: usize,
+    /// A call holds a slot and lets others queue before it sends them.
+    gathering: bool,
 }
 
 /// The batcher of one kind of call.
@@ -129,6 +134,7 @@ impl<R: BatchRpc + Send> Batcher<R> {
             state: Mutex::new(State {
                 queue: Vec::new(),
                 in_flight: 0,
+                gathering: false,
             }),
             unsupported: AtomicBool::new(false),
         })
@@ -141,27 +147,36 @@ impl<R: BatchRpc + Send> Batcher<R> {
             return self.alone(request, self.timeout).await;
         }
         let deadline = Instant::now() + self.timeout;
-        let queued = {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let leads = {
             let mut state = self.state.lock().expect("batcher lock");
-            if state.in_flight < self.settings.max_in_flight {
-                // A free slot means an empty queue: go now, alone.
+            state.queue.push(Queued {
+                request: request.clone(),
+                bytes,
+                deadline,
+                reply,
+            });
+            // A free slot, and no other call gathering a batch for it: this
+            // call leads the next batch.
+            let leads = state.in_flight < self.settings.max_in_flight && !state.gathering;
+            if leads {
                 state.in_flight += 1;
-                None
-            } else {
-                let (reply, answer) = tokio::sync::oneshot::channel();
-                state.queue.push(Queued {
-                    request: request.clone(),
-                    bytes,
-                    deadline,
-                    reply,
-                });
-                Some(answer)
+                state.gathering = true;
             }
+            leads
         };
-        let Some(answer) = queued else {
+        if leads {
             let _slot = Slot(self.clone());
-            return self.alone(request, self.timeout).await;
-        };
+            // One turn of the scheduler before sending: calls that are ready
+            // to run (typically the callers woken by the same reply) join
+            // this batch instead of each taking a slot alone. A lone caller
+            // loses microseconds. What queues after this waits for a slot.
+            tokio::task::yield_now().await;
+            let batch = self.take_batch();
+            if !batch.is_empty() {
+                self.send(batch).await;
+            }
+        }
         match answer.await {
             Ok(Reply::Answer(result)) => result,
             Ok(Reply::SendAlone) => {
@@ -200,6 +215,7 @@ impl<R: BatchRpc + Send> Batcher<R> {
 
     fn take_batch(&self) -> Vec<Queued<R>> {
         let mut state = self.state.lock().expect("batcher lock");
+        state.gathering = false;
         // Calls whose caller went away, or whose deadline passed while they
         // waited, are not sent.
         let now = Instant::now();
@@ -310,6 +326,7 @@ fn release_slot<R: BatchRpc>(state: &mut State<R>) {
     // queue and their callers see an error (and retry).
     if state.in_flight == 0 {
         state.queue.clear();
+        state.gathering = false;
     }
 }
 

@@ -147,6 +147,35 @@ async fn concurrent_calls_of_one_client_share_batches_and_one_holds_each_key() {
     }
 }
 
+#[tokio::test]
+async fn calls_made_at_the_same_moment_leave_in_one_request_even_with_slots_free() {
+    let db = TestDb::new().await;
+    let server = server_with_metrics(&db).await;
+    // The default: four requests of a kind may be on the wire, so each of
+    // the first four calls finds a slot free.
+    let client = Client::builder()
+        .endpoint(format!("http://{}", server.addr))
+        .retry(RetryPolicy::none())
+        .connect_lazy()
+        .unwrap();
+    const CALLS: usize = 24;
+    let requests: Vec<AcquireRequest> = (0..CALLS).map(|_| request("same-moment")).collect();
+
+    // Made in one poll of one task: the first leads, the others join it.
+    let outcomes = futures_util::future::join_all(requests.iter().map(|r| client.acquire(r))).await;
+    assert!(
+        outcomes
+            .iter()
+            .all(|outcome| matches!(outcome, Ok(Acquisition::Proceed(_)))),
+        "{outcomes:?}"
+    );
+    assert_eq!(
+        batched(&server, "BatchAcquire").await,
+        (CALLS as f64, 1.0),
+        "all {CALLS} calls in one BatchAcquire, none alone"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_bad_call_in_a_batch_fails_alone_with_its_typed_error() {
     let db = TestDb::new().await;
