@@ -131,7 +131,10 @@ impl Engine {
                 }
             }
             // Expired, released, or a lapsed lease: a second round trip, rare.
-            if let Some(row) = self.store.take_over(&input).await? {
+            // Boxed, like every rare statement here: a future holds room for
+            // each of its awaits, and the common path's futures are moved
+            // about per item of every batch RPC.
+            if let Some(row) = Box::pin(self.store.take_over(&input)).await? {
                 return Ok(acquired(row));
             }
             // Someone else took it over, or it changed: look again.
@@ -253,7 +256,8 @@ impl Engine {
             if let Some(at) = self.store.finish(input.clone()).await? {
                 return Ok(at);
             }
-            let row = self.current_holder(&input.id, fencing_token).await?;
+            // Rare: boxed (see `acquire`).
+            let row = Box::pin(self.current_holder(&input.id, fencing_token)).await?;
             let state = row.state()?;
             match state {
                 RecordState::InProgress => continue,

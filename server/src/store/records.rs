@@ -87,7 +87,11 @@ impl Store {
     pub async fn insert_or_read(&self, input: Arc<AcquireInput>) -> StoreResult<AcquireAttempt> {
         match &self.batchers {
             Some(batchers) => batchers.acquire.run(input).await,
-            None => single(insert_or_read(&self.pool, std::slice::from_ref(&input)).await),
+            // Boxed: without batching the hot path is a statement per call
+            // anyway, and the batched path's futures stay small.
+            None => {
+                single(Box::pin(insert_or_read(&self.pool, std::slice::from_ref(&input))).await)
+            }
         }
     }
 
@@ -96,7 +100,7 @@ impl Store {
     pub async fn finish(&self, input: Arc<FinishInput>) -> StoreResult<Option<Timestamp>> {
         match &self.batchers {
             Some(batchers) => batchers.finish.run(input).await,
-            None => single(finish(&self.pool, std::slice::from_ref(&input)).await),
+            None => single(Box::pin(finish(&self.pool, std::slice::from_ref(&input))).await),
         }
     }
 
