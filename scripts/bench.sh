@@ -15,6 +15,10 @@
 # BENCH_REPEATS times (default 3), pgbench and service interleaved; the table
 # shows medians. Results: target/bench/results-<timestamp>.{json,md}.
 #
+# BENCH_SERVER_THREADS (default 1) is the server's --worker-threads: on this
+# two-CPU machine the server shares the CPUs with Postgres and the load
+# generator, and gets about a third of one (0: the server's own default, one
+# thread per CPU). The load generator runs one thread too (its --threads).
 # BENCH_SERVER_ARGS adds flags to `idempotencyd serve` (e.g. "--batching false"),
 # BENCH_CLIENT_ARGS to the load generator (e.g. "--no-batching": every call its
 # own RPC, as a client without the batch RPCs would send them).
@@ -129,15 +133,18 @@ start_server() { # extra serve flags...; sets started_pid and started_endpoint
   started_endpoint="http://127.0.0.1:$grpc_port"
 }
 servers=0
-# shellcheck disable=SC2086 # BENCH_SERVER_ARGS is a list of flags
-start_server ${BENCH_SERVER_ARGS:-}
+server_threads=${BENCH_SERVER_THREADS:-1}
+server_args="${BENCH_SERVER_ARGS:-}"
+if [ "$server_threads" != 0 ]; then server_args="--worker-threads $server_threads $server_args"; fi
+# shellcheck disable=SC2086 # server_args is a list of flags
+start_server $server_args
 cached_pid=$started_pid cached_endpoint=$started_endpoint
 use_server "$cached_pid" "$cached_endpoint"
-say "idempotencyd (pid $server_pid, release) on $endpoint; settings at their defaults${BENCH_SERVER_ARGS:+ except $BENCH_SERVER_ARGS}"
+say "idempotencyd (pid $server_pid, release) on $endpoint; settings at their defaults${server_args:+ except $server_args}"
 # A second server on the same database, without the replay cache, so that
 # replays are also measured reading Postgres every time.
 # shellcheck disable=SC2086
-start_server ${BENCH_SERVER_ARGS:-} --replay-cache-bytes 0
+start_server $server_args --replay-cache-bytes 0
 uncached_pid=$started_pid uncached_endpoint=$started_endpoint
 say "idempotencyd (pid $uncached_pid) on $uncached_endpoint with --replay-cache-bytes 0"
 
@@ -234,8 +241,8 @@ print(json.dumps({
                  "replay_keys": int(a[9]), "grpc_connections": int(a[10]), "wait_quiet": int(a[11]),
                  "pgbench": "-M prepared -n -j 2 -c C -T " + a[5], "statistic": "median of repeats",
                  "server": "idempotencyd serve, defaults (db pool 16), --reaper-enabled false " + a[13],
-                 "load_generator": "one client per gRPC connection, client defaults " + a[14]},
+                 "load_generator": "one client per gRPC connection, one runtime thread, client defaults " + a[14]},
     "final_table_rows": int(a[12]),
 }))' "$stamp" "$commit" "$pg_version" "$fsync" "$sync_commit" "$seconds" "$repeats" "$warmup" \
-  "$payload" "$keys" "$connections" "$wait_quiet" "$rows" "${BENCH_SERVER_ARGS:-}" "${BENCH_CLIENT_ARGS:-}")
+  "$payload" "$keys" "$connections" "$wait_quiet" "$rows" "$server_args" "${BENCH_CLIENT_ARGS:-}")
 report summary "$raw" "$out_dir/results-$stamp" "$meta"

@@ -24,9 +24,23 @@ fn connect(database: &DatabaseArgs, index_lookups_only: bool) -> anyhow::Result<
     ))
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<ExitCode> {
-    match Cli::parse().into_command() {
+fn main() -> anyhow::Result<ExitCode> {
+    let command = Cli::parse().into_command();
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Command::Serve(args) = &command
+        && let Some(threads) = args.worker_threads
+    {
+        runtime.worker_threads(threads.get());
+    }
+    runtime
+        .enable_all()
+        .build()
+        .context("starting the runtime")?
+        .block_on(run(command))
+}
+
+async fn run(command: Command) -> anyhow::Result<ExitCode> {
+    match command {
         Command::Serve(args) => {
             telemetry::init_logs(&args.log);
             tracing::info!(database = %args.database.database_url.redacted(), "starting");

@@ -59,6 +59,12 @@ pub struct ServeArgs {
     /// Apply migrations before serving.
     #[arg(long, env = "IDEMPOTENCY_MIGRATE")]
     pub migrate: bool,
+    /// Threads serving calls. Default: one per CPU the process may use (its
+    /// cgroup CPU limit counts). Set it to the CPUs the server really gets
+    /// when it shares them, e.g. with Postgres on a small machine: idle
+    /// threads waking each other cost CPU the database needs.
+    #[arg(long, env = "IDEMPOTENCY_WORKER_THREADS")]
+    pub worker_threads: Option<std::num::NonZeroUsize>,
 
     /// Record lifetime when Acquire gives none.
     #[arg(long, env = "IDEMPOTENCY_DEFAULT_TTL", default_value = "24h", value_parser = humantime::parse_duration)]

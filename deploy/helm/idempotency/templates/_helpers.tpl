@@ -112,6 +112,9 @@ CronJob reaps.
 IDEMPOTENCY_GRPC_ADDR: {{ printf "0.0.0.0:%d" (int .Values.ports.grpc) | quote }}
 IDEMPOTENCY_METRICS_ADDR: {{ printf "0.0.0.0:%d" (int .Values.ports.metrics) | quote }}
 IDEMPOTENCY_MIGRATE: {{ $c.migrateOnStart | toString | quote }}
+{{- if gt (int64 $c.workerThreads) 0 }}
+IDEMPOTENCY_WORKER_THREADS: {{ int64 $c.workerThreads | toString | quote }}
+{{- end }}
 IDEMPOTENCY_BATCHING: {{ $c.batching | toString | quote }}
 IDEMPOTENCY_BATCH_WORKERS: {{ int64 $c.batchWorkers | toString | quote }}
 IDEMPOTENCY_BATCH_OVERLAP_AFTER: {{ $c.batchOverlapAfter | quote }}
