@@ -166,15 +166,26 @@ impl<R: BatchRpc + Send> Batcher<R> {
             leads
         };
         if leads {
-            let _slot = Slot(self.clone());
+            let slot = Slot(self.clone());
             // One turn of the scheduler before sending: calls that are ready
             // to run (typically the callers woken by the same reply) join
             // this batch instead of each taking a slot alone. A lone caller
             // loses microseconds. What queues after this waits for a slot.
             tokio::task::yield_now().await;
             let batch = self.take_batch();
-            if !batch.is_empty() {
-                self.send(batch).await;
+            match batch.len() {
+                0 => {}
+                // Alone: if this caller goes away, only its own call goes.
+                1 => self.send(batch).await,
+                // Others joined: their calls must not depend on this caller
+                // staying, so a task of its own sends them and keeps the slot
+                // for whatever queues meanwhile.
+                _ => {
+                    tokio::spawn(async move {
+                        slot.0.send(batch).await;
+                        drop(slot);
+                    });
+                }
             }
         }
         match answer.await {

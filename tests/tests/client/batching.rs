@@ -252,6 +252,57 @@ async fn a_cancelled_call_hands_its_place_to_the_calls_queued_behind_it() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_caller_giving_up_does_not_take_down_the_calls_that_joined_its_batch() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let client = batching_client(server.addr);
+    let response = StoredResponse::new(201, "done");
+
+    let mut leases = Vec::new();
+    for n in 0..9 {
+        let request = request(&format!("joined-{n}"));
+        let Acquisition::Proceed(lease) = client.acquire(&request).await.unwrap() else {
+            panic!("acquired");
+        };
+        leases.push((request, lease));
+    }
+    // The first caller's record is locked, so the batch carrying all nine
+    // Completes waits for the lock.
+    let lock = lock_record(&db, &leases[0].0.id.key).await;
+    let mut leases = leases.into_iter().map(|(_, lease)| lease);
+    let mut first = leases.next().unwrap();
+    let (gave_up, first_gave_up) = tokio::sync::oneshot::channel();
+    let calls = {
+        let response = response.clone();
+        tokio::spawn(async move {
+            // Made in one poll, so the other eight join the first's batch.
+            let first = async {
+                let outcome =
+                    tokio::time::timeout(Duration::from_millis(200), first.complete(&response))
+                        .await;
+                let _ = gave_up.send(());
+                outcome
+            };
+            let others = futures_util::future::join_all(leases.map(|mut lease| {
+                let response = response.clone();
+                async move { lease.complete(&response).await }
+            }));
+            tokio::join!(first, others).1
+        })
+    };
+    wait_for_lock_wait(&db).await;
+    first_gave_up.await.unwrap();
+    drop(lock);
+
+    let others = tokio::time::timeout(Duration::from_secs(5), calls)
+        .await
+        .expect("the calls that joined went on")
+        .unwrap();
+    assert_eq!(others.len(), 8);
+    assert!(others.iter().all(Result::is_ok), "{others:?}");
+}
+
 /// The real service without the batch RPCs, as a server older than them.
 struct WithoutBatches(GrpcService);
 
