@@ -82,6 +82,8 @@ enum Reply<T> {
 type ReplySender<R> = tokio::sync::oneshot::Sender<Reply<<R as BatchRpc>::Response>>;
 
 struct Queued<R: BatchRpc> {
+    /// Tells a call's own entry from others' (see `call`).
+    id: u64,
     request: R,
     bytes: usize,
     /// The caller's deadline, counted from when it queued: the batch carries
@@ -95,6 +97,7 @@ struct State<R: BatchRpc> {
     in_flight: usize,
     /// A call holds a slot and lets others queue before it sends them.
     gathering: bool,
+    next_id: u64,
 }
 
 /// The batcher of one kind of call.
@@ -135,6 +138,7 @@ impl<R: BatchRpc + Send> Batcher<R> {
                 queue: Vec::new(),
                 in_flight: 0,
                 gathering: false,
+                next_id: 0,
             }),
             unsupported: AtomicBool::new(false),
         })
@@ -148,9 +152,12 @@ impl<R: BatchRpc + Send> Batcher<R> {
         }
         let deadline = Instant::now() + self.timeout;
         let (reply, answer) = tokio::sync::oneshot::channel();
-        let leads = {
+        let (id, leads) = {
             let mut state = self.state.lock().expect("batcher lock");
+            let id = state.next_id;
+            state.next_id = state.next_id.wrapping_add(1);
             state.queue.push(Queued {
+                id,
                 request: request.clone(),
                 bytes,
                 deadline,
@@ -163,7 +170,7 @@ impl<R: BatchRpc + Send> Batcher<R> {
                 state.in_flight += 1;
                 state.gathering = true;
             }
-            leads
+            (id, leads)
         };
         if leads {
             let slot = Slot(self.clone());
@@ -173,19 +180,19 @@ impl<R: BatchRpc + Send> Batcher<R> {
             // loses microseconds. What queues after this waits for a slot.
             tokio::task::yield_now().await;
             let batch = self.take_batch();
-            match batch.len() {
-                0 => {}
+            if let [own] = batch.as_slice()
+                && own.id == id
+            {
                 // Alone: if this caller goes away, only its own call goes.
-                1 => self.send(batch).await,
-                // Others joined: their calls must not depend on this caller
-                // staying, so a task of its own sends them and keeps the slot
-                // for whatever queues meanwhile.
-                _ => {
-                    tokio::spawn(async move {
-                        slot.0.send(batch).await;
-                        drop(slot);
-                    });
-                }
+                self.send(batch).await;
+            } else if !batch.is_empty() {
+                // Others' calls must not depend on this caller staying, so a
+                // task of its own sends them and keeps the slot for whatever
+                // queues meanwhile.
+                tokio::spawn(async move {
+                    slot.0.send(batch).await;
+                    drop(slot);
+                });
             }
         }
         match answer.await {
