@@ -16,7 +16,7 @@
 #   - every value in values.yaml has a comment above it
 #   - the two copies of the alert rules are identical
 #   - the PrometheusRule rendered with default values has exactly those rules
-#   - promtool check rules, promtool test rules
+#   - promtool check rules, promtool test rules; promtool parses every dashboard query
 #   - alerts and dashboard query only metrics the service exports
 #
 # Prints one line per check and a summary; exits 1 when any check failed.
@@ -126,6 +126,11 @@ run "alert rules: deploy/prometheus/alerts.yaml = $CHART/files/alerts.yaml" same
   run "PrometheusRule rendered with default values" false
 run "promtool check rules deploy/prometheus/alerts.yaml" promtool check rules deploy/prometheus/alerts.yaml
 run "promtool test rules deploy/prometheus/alerts_test.yaml" promtool test rules deploy/prometheus/alerts_test.yaml
+dashboard_queries() {
+  "$PY" deploy/tools/check_manifests.py dashboard-rules "$CHART/files/dashboard.json" "$OUT/dashboard-rules.yaml" &&
+    promtool check rules "$OUT/dashboard-rules.yaml"
+}
+run "promtool parses every dashboard query" dashboard_queries
 run "alerts and dashboard use only exported metrics" \
   "$PY" deploy/tools/check_manifests.py catalogue deploy/prometheus/alerts.yaml "$CHART/files/dashboard.json"
 

@@ -356,6 +356,25 @@ def check_dashboard(dashboard: dict[str, Any], where: str, metrics: set[str]) ->
     check(len(ids) == len(set(ids)), f"{where}: duplicate panel ids")
 
 
+# Grafana's own variables, as values PromQL accepts; the dashboard's template
+# variables ($job) become a plain label value.
+GRAFANA_INTERVALS = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
+
+
+def write_dashboard_rules(dashboard: dict[str, Any], out: Path) -> int:
+    """Every panel query as a recording rule, so that promtool parses them."""
+    rules = []
+    for panel in dashboard.get("panels", []):
+        for n, target in enumerate(panel.get("targets", [])):
+            expr = target.get("expr", "")
+            for variable, value in GRAFANA_INTERVALS.items():
+                expr = expr.replace(variable, value)
+            expr = re.sub(r"\$\{?\w+\}?", "x", expr)
+            rules.append({"record": f"dashboard:panel_{panel.get('id')}_{n}", "expr": expr})
+    out.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    return len(rules)
+
+
 def check_values_documented(path: Path) -> int:
     """Every key outside list items needs a comment line right above it."""
     keys = 0
@@ -389,9 +408,17 @@ def main() -> int:
     c = commands.add_parser("catalogue")
     c.add_argument("alerts", type=Path)
     c.add_argument("dashboard", type=Path)
+    r = commands.add_parser("dashboard-rules")
+    r.add_argument("dashboard", type=Path)
+    r.add_argument("out", type=Path)
     v = commands.add_parser("values-doc")
     v.add_argument("values", type=Path)
     args = parser.parse_args()
+
+    if args.command == "dashboard-rules":
+        count = write_dashboard_rules(json.loads(args.dashboard.read_text()), args.out)
+        print(f"  {count} panel queries written to {args.out}")
+        return 0 if count else 1
 
     if args.command == "values-doc":
         keys = check_values_documented(args.values)
