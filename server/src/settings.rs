@@ -371,6 +371,21 @@ mod tests {
     }
 
     #[test]
+    fn worker_threads_default_to_the_runtime_and_refuse_zero() {
+        let serve = |extra: &[&str]| {
+            let args = ["serve", "--database-url", "postgres://db/x"];
+            ServeArgs::try_parse_from(args.iter().chain(extra))
+        };
+        assert_eq!(serve(&[]).unwrap().worker_threads, None);
+        assert_eq!(
+            serve(&["--worker-threads", "1"]).unwrap().worker_threads,
+            std::num::NonZeroUsize::new(1)
+        );
+        let zero = serve(&["--worker-threads", "0"]).unwrap_err().to_string();
+        assert!(zero.contains("--worker-threads"), "{zero}");
+    }
+
+    #[test]
     fn cli_is_well_formed() {
         use clap::CommandFactory;
         <Cli as CommandFactory>::command().debug_assert();
