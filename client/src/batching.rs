@@ -87,7 +87,7 @@ struct Queued<R: BatchRpc> {
     request: R,
     bytes: usize,
     /// The caller's deadline, counted from when it queued: the batch carries
-    /// the earliest of its items', so the server gives up when they do.
+    /// the latest of its items', so the server gives up when all have.
     deadline: Instant,
     reply: ReplySender<R>,
 }
@@ -235,11 +235,16 @@ impl<R: BatchRpc + Send> Batcher<R> {
         let mut state = self.state.lock().expect("batcher lock");
         state.gathering = false;
         // Calls whose caller went away, or whose deadline passed while they
-        // waited, are not sent.
+        // waited, are not sent; the latter are told so.
         let now = Instant::now();
-        state
-            .queue
-            .retain(|queued| !queued.reply.is_closed() && queued.deadline > now);
+        state.queue.retain(|queued| !queued.reply.is_closed());
+        for expired in state.queue.extract_if(.., |queued| queued.deadline <= now) {
+            let _ = expired
+                .reply
+                .send(Reply::Answer(Err(Status::deadline_exceeded(
+                    "the call's deadline passed while it waited for a batch",
+                ))));
+        }
         let max_items = self.max_items.load(Ordering::Relaxed);
         let mut bytes = 0;
         let mut count = 0;
@@ -254,11 +259,14 @@ impl<R: BatchRpc + Send> Batcher<R> {
     }
 
     async fn send(&self, batch: Vec<Queued<R>>) {
-        // What is left of the earliest deadline in the batch.
+        // What is left of the latest deadline in the batch: the server works
+        // for as long as any of its callers waits (each caller stops waiting
+        // at its own deadline), so one nearly expired call does not fail the
+        // calls that queued after it.
         let timeout = batch
             .iter()
             .map(|queued| queued.deadline)
-            .min()
+            .max()
             .map_or(self.timeout, |deadline| {
                 deadline.saturating_duration_since(Instant::now())
             })
