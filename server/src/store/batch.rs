@@ -21,7 +21,10 @@ use std::{
     time::Duration,
 };
 
-use tokio::sync::{Mutex, Notify, mpsc, oneshot};
+use tokio::{
+    sync::{Mutex, Notify, mpsc, oneshot},
+    time::Instant,
+};
 
 use super::{StoreError, StoreResult};
 use crate::domain::RecordId;
@@ -57,7 +60,7 @@ pub struct BatchSettings {
     /// Most calls in one statement.
     pub max_size: usize,
     /// A worker with calls waiting starts a statement while another runs
-    /// only once that one has run this long.
+    /// only once the latest running one has run this long.
     pub overlap_after: Duration,
 }
 
@@ -71,31 +74,51 @@ impl Default for BatchSettings {
     }
 }
 
-/// Statements of one batcher running now, and a signal when one ends.
-#[derive(Default)]
+/// Statements of one batcher running now, when the latest started, and a
+/// signal when one ends.
 struct Running {
     statements: AtomicUsize,
+    latest_start: std::sync::Mutex<Instant>,
     ended: Notify,
 }
 
+impl Default for Running {
+    fn default() -> Self {
+        Self {
+            statements: AtomicUsize::new(0),
+            latest_start: std::sync::Mutex::new(Instant::now()),
+            ended: Notify::new(),
+        }
+    }
+}
+
 impl Running {
-    /// Waits until no statement runs, or `limit` passes.
-    async fn wait_for_none(&self, limit: Duration) {
-        let deadline = tokio::time::Instant::now() + limit;
+    /// Counts a new statement as running: at once when none runs, else once
+    /// none runs or the latest started `overlap_after` ago, whichever comes
+    /// first. Claiming is one atomic step, so two waiting workers woken by
+    /// the same end cannot both take the idle turn.
+    async fn claim(self: &Arc<Self>, overlap_after: Duration) -> RunningGuard {
         loop {
-            // Registered before the check, so an end between the two is not missed.
+            // Created before the check, so an end between the two is not missed.
             let ended = self.ended.notified();
-            if self.statements.load(Ordering::Acquire) == 0 {
-                return;
+            if self
+                .statements
+                .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                return self.started();
             }
-            if tokio::time::timeout_at(deadline, ended).await.is_err() {
-                return;
+            let overlap_at = *self.latest_start.lock().expect("running lock") + overlap_after;
+            if Instant::now() >= overlap_at {
+                self.statements.fetch_add(1, Ordering::AcqRel);
+                return self.started();
             }
+            let _ = tokio::time::timeout_at(overlap_at, ended).await;
         }
     }
 
-    fn start(self: &Arc<Self>) -> RunningGuard {
-        self.statements.fetch_add(1, Ordering::AcqRel);
+    fn started(self: &Arc<Self>) -> RunningGuard {
+        *self.latest_start.lock().expect("running lock") = Instant::now();
         RunningGuard(self.clone())
     }
 }
@@ -175,8 +198,8 @@ async fn work<I: Batchable, O>(
                 deferred.push(job);
             }
         }
-        if !jobs.is_empty() {
-            running.wait_for_none(settings.overlap_after).await;
+        let _running = if !jobs.is_empty() {
+            running.claim(settings.overlap_after).await
         } else {
             let mut queue = receiver.lock().await;
             let Some(first) = queue.recv().await else {
@@ -184,7 +207,7 @@ async fn work<I: Batchable, O>(
             };
             // While another statement runs, let calls gather for the next
             // one (holding the queue, so no other worker splits them).
-            running.wait_for_none(settings.overlap_after).await;
+            let running = running.claim(settings.overlap_after).await;
             records.insert(record_hash(&first.input));
             jobs.push(first);
             while jobs.len() < max_size {
@@ -195,10 +218,10 @@ async fn work<I: Batchable, O>(
                     deferred.push(job);
                 }
             }
-        }
+            running
+        };
         metrics::histogram!(crate::metrics::DB_BATCH_SIZE, "query" => name)
             .record(jobs.len() as f64);
-        let _running = running.start();
         run_batch(&execute, jobs).await;
     }
 }
