@@ -394,7 +394,17 @@ async fn a_server_taking_shorter_batches_gets_shorter_batches() {
     let server = TestServer::start_config(&db, config).await;
     let client = batching_client(server.addr);
 
+    // Batches the server refused as too long.
+    let refused = || async {
+        let page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
+        metric_value(
+            &page,
+            "idempotency_request_duration_seconds_count{rpc=\"BatchAcquire\",outcome=\"invalid_argument\"}",
+        )
+        .unwrap_or(0.0)
+    };
     // Every call succeeds, before and after the client learns the limit.
+    let mut refused_after_round = Vec::new();
     for round in 0..2 {
         let requests: Vec<AcquireRequest> = (0..CALLERS)
             .map(|_| request(&format!("short-batches-{round}")))
@@ -410,22 +420,20 @@ async fn a_server_taking_shorter_batches_gets_shorter_batches() {
                 "{outcome:?}"
             );
         }
+        refused_after_round.push(refused().await);
     }
-    // Batching went on, within the server's limit: batches were accepted,
-    // none longer than 4 (refused ones are not counted).
-    let page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
+    // The client learned: each refusal at least halves the batch length,
+    // from 64 to at most 4 in at most four refusals, whichever round met them.
+    let refusals = refused_after_round[1];
+    assert!(
+        refused_after_round[0] >= 1.0 && refusals <= 4.0,
+        "refusals after each round: {refused_after_round:?}"
+    );
+    // And batching went on within the limit.
     let (items, calls) = batched(&server, "BatchAcquire").await;
     assert!(
         calls >= 1.0 && items > calls,
         "{items} items in {calls} calls"
-    );
-    assert_eq!(
-        metric_value(
-            &page,
-            "idempotency_batch_items_bucket{rpc=\"BatchAcquire\",le=\"4\"}"
-        ),
-        Some(calls),
-        "every accepted batch held at most 4 items"
     );
 }
 
