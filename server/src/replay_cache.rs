@@ -68,6 +68,9 @@ impl Weighter<RecordId, Arc<Entry>> for EntryWeight {
 pub struct ReplayCache {
     entries: Arc<Cache<RecordId, Arc<Entry>, EntryWeight>>,
     max_age: Duration,
+    /// Registered once: every Acquire looks up, and most miss (new keys).
+    hits: metrics::Counter,
+    misses: metrics::Counter,
 }
 
 impl std::fmt::Debug for ReplayCache {
@@ -80,6 +83,8 @@ impl std::fmt::Debug for ReplayCache {
 }
 
 impl ReplayCache {
+    /// Build it after the metrics recorder is installed: it registers its
+    /// counters here.
     pub fn new(settings: ReplayCacheSettings) -> Self {
         // quick_cache sizes its table from an item estimate: assume small responses.
         let estimated_items = (settings.max_bytes / 1024).clamp(16, 1 << 20) as usize;
@@ -90,6 +95,8 @@ impl ReplayCache {
                 EntryWeight,
             )),
             max_age: settings.max_age,
+            hits: metrics::counter!(REPLAY_CACHE_LOOKUPS_TOTAL, "result" => "hit"),
+            misses: metrics::counter!(REPLAY_CACHE_LOOKUPS_TOTAL, "result" => "miss"),
         }
     }
 
@@ -100,8 +107,12 @@ impl ReplayCache {
             .entries
             .get(id)
             .filter(|entry| entry.valid_until > Instant::now());
-        let result = if found.is_some() { "hit" } else { "miss" };
-        metrics::counter!(REPLAY_CACHE_LOOKUPS_TOTAL, "result" => result).increment(1);
+        if found.is_some() {
+            &self.hits
+        } else {
+            &self.misses
+        }
+        .increment(1);
         let entry = found?;
         // The same rule as for a record read from the database: the
         // fingerprint wins over the state.

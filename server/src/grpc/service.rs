@@ -89,6 +89,7 @@ impl GrpcService {
         Fut: Future<Output = Result<T, Status>>,
     {
         self.check_batch(rpc, requests.len())?;
+        record_batch_items(rpc, requests.len());
         let answers = in_rounds(requests, record, run).await;
         Ok(answers
             .into_iter()
@@ -104,7 +105,6 @@ impl GrpcService {
         } else if items > max {
             format!("holds {items} requests; the server takes at most {max}")
         } else {
-            record_batch_items(rpc, items);
             return Ok(());
         };
         let refused = Err(to_status(
