@@ -10,7 +10,8 @@ use idempotency_server::{
     replay_cache::ReplayCacheSettings, settings::AdminCommand, startup::ServerConfig,
 };
 use idempotency_tests::{
-    TestDb, TestServer, record_id, response, server_behind_proxy_with, test_config, unique_key,
+    TestDb, TestServer, http_get, metric_value, record_id, response, server_behind_proxy_with,
+    test_config, unique_key,
 };
 use tonic::Code;
 
@@ -83,6 +84,32 @@ async fn a_finished_record_is_replayed_from_memory_even_while_the_database_is_do
     let fresh = record_id(&unique_key("uncached"));
     let unavailable = try_acquire(&mut client, &fresh, b"fp").await;
     assert_error(unavailable, Code::Unavailable, "DATABASE_UNAVAILABLE");
+}
+
+#[tokio::test]
+async fn lookups_are_counted_as_hits_and_misses() {
+    let db = TestDb::new().await;
+    let config = ServerConfig {
+        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+        ..with_cache(Some(ReplayCacheSettings::default()))
+    };
+    let server = TestServer::start_config(&db, config).await;
+    let mut client = server.client.clone();
+    // Acquire of a new key, then the first replay (read from the database,
+    // then cached): two misses; the second replay: a hit.
+    let done = completed_and_replayed(&mut client, "counted", "{}").await;
+    assert!(matches!(
+        acquire(&mut client, &done, b"fp").await,
+        Outcome::Completed(_)
+    ));
+    let page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
+    let lookups = |result: &str| {
+        metric_value(
+            &page,
+            &format!("idempotency_replay_cache_lookups_total{{result=\"{result}\"}}"),
+        )
+    };
+    assert_eq!((lookups("hit"), lookups("miss")), (Some(1.0), Some(2.0)));
 }
 
 #[tokio::test]
