@@ -113,23 +113,6 @@ async fn observed_server(db: &TestDb, max_namespaces: usize) -> TestServer {
     TestServer::start_config(db, config).await
 }
 
-/// Polls /metrics until `series` has a value satisfying `expected`.
-async fn wait_for_metric(
-    server: &TestServer,
-    series: &str,
-    expected: impl Fn(f64) -> bool,
-) -> String {
-    for _ in 0..100 {
-        let page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
-        if idempotency_tests::metric_value(&page, series).is_some_and(&expected) {
-            return page;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
-    let page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
-    panic!("{series} never reached the expected value in\n{page}");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn takeovers_replays_and_mismatches_are_counted_by_namespace_with_a_cap() {
     let db = TestDb::new().await;

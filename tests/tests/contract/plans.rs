@@ -5,9 +5,7 @@
 use std::sync::Arc;
 
 use idempotency_server::startup::ServerConfig;
-use idempotency_tests::{
-    TestDb, TestServer, http_get, metric_value, record_id, response, test_config, unique_key,
-};
+use idempotency_tests::{TestDb, TestServer, record_id, response, test_config, unique_key};
 use tokio::sync::Barrier;
 
 use crate::support::*;
@@ -22,15 +20,12 @@ async fn a_new_table_is_read_by_key_never_scanned() {
     let server = TestServer::start_config(&db, config).await;
     // The gauges count a small table's rows exactly, which no index can
     // answer: let their first run (the next is an hour later) see it empty.
-    let page = || http_get(server.metrics_addr.unwrap(), "/metrics");
-    let series = "idempotency_db_query_duration_seconds_count{query=\"table_stats\"}";
-    for _ in 0..100 {
-        if metric_value(&page().await, series).is_some_and(|runs| runs >= 1.0) {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    assert!(metric_value(&page().await, series).is_some_and(|runs| runs >= 1.0));
+    wait_for_metric(
+        &server,
+        "idempotency_db_query_duration_seconds_count{query=\"table_stats\"}",
+        |runs| runs >= 1.0,
+    )
+    .await;
     let barrier = Arc::new(Barrier::new(32));
     let tasks: Vec<_> = (0..32)
         .map(|_| {
@@ -58,8 +53,24 @@ async fn a_new_table_is_read_by_key_never_scanned() {
     for task in tasks {
         task.await.unwrap();
     }
-    // The server's connections report their statistics as they close.
+    // The server's connections report their statistics as they exit: wait
+    // until only this test's own connections are left.
     server.stop().await;
+    let mut own = db.pool.acquire().await.unwrap();
+    for _ in 0..100 {
+        let others: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        .fetch_one(&mut *own)
+        .await
+        .unwrap();
+        if others < i64::from(db.pool.size()) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    drop(own);
     // Rows read by sequential scans: the migration's index builds scan the
     // table too, but while it is empty.
     let (seq_rows, index_scans): (i64, i64) = sqlx::query_as(

@@ -179,3 +179,20 @@ pub async fn run_admin(
     idempotency_server::admin::run(&db.pool, command, json, &mut out).await?;
     Ok(String::from_utf8(out).unwrap())
 }
+
+/// Polls /metrics until `series` has a value satisfying `expected`.
+pub async fn wait_for_metric(
+    server: &idempotency_tests::TestServer,
+    series: &str,
+    expected: impl Fn(f64) -> bool,
+) -> String {
+    for _ in 0..100 {
+        let page = idempotency_tests::http_get(server.metrics_addr.unwrap(), "/metrics").await;
+        if idempotency_tests::metric_value(&page, series).is_some_and(&expected) {
+            return page;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let page = idempotency_tests::http_get(server.metrics_addr.unwrap(), "/metrics").await;
+    panic!("{series} never reached the expected value in\n{page}");
+}
