@@ -258,7 +258,7 @@ impl<R: BatchRpc + Send> Batcher<R> {
         state.queue.drain(..count).collect()
     }
 
-    async fn send(&self, batch: Vec<Queued<R>>) {
+    async fn send(&self, mut batch: Vec<Queued<R>>) {
         // What is left of the latest deadline in the batch: the server works
         // for as long as any of its callers waits (each caller stops waiting
         // at its own deadline), so one nearly expired call does not fail the
@@ -271,20 +271,20 @@ impl<R: BatchRpc + Send> Batcher<R> {
                 deadline.saturating_duration_since(Instant::now())
             })
             .max(Duration::from_millis(1));
-        let (mut requests, replies): (Vec<R>, Vec<_>) = batch
+        if batch.len() == 1
+            && !self.unsupported.load(Ordering::Relaxed)
+            && let Some(Queued { request, reply, .. }) = batch.pop()
+        {
+            let result = R::unary(self.stub.clone(), request, timeout).await;
+            let _ = reply.send(Reply::Answer(result));
+            return;
+        }
+        let (requests, replies): (Vec<R>, Vec<_>) = batch
             .into_iter()
             .map(|queued| (queued.request, queued.reply))
             .unzip();
         if self.unsupported.load(Ordering::Relaxed) {
             return send_alone(replies);
-        }
-        if requests.len() == 1 {
-            let (Some(request), Some(reply)) = (requests.pop(), replies.into_iter().next()) else {
-                return;
-            };
-            let result = R::unary(self.stub.clone(), request, timeout).await;
-            let _ = reply.send(Reply::Answer(result));
-            return;
         }
         let count = requests.len();
         match R::batch(self.stub.clone(), requests, timeout).await {
