@@ -290,8 +290,9 @@ async fn a_handler_slower_than_its_lease_keeps_the_key_by_renewing() {
     let server = TestServer::start(&db).await;
     let config =
         HttpConfig::new("shop").lease(Duration::from_secs(1), Some(Duration::from_millis(300)));
-    // The handler takes 4 s; the second request comes at 2.5 s, well past the
-    // first lease second and well before the handler ends.
+    // The handler takes 4 s; the second request comes 1.5 s after the key
+    // was taken, well past the first lease second and well before the
+    // handler ends.
     let app = PaymentsApp::start(client_of(&server), config, Duration::from_millis(4000)).await;
     let http = HttpClient::new(app.addr);
     let key = unique_key("slow");
@@ -301,7 +302,9 @@ async fn a_handler_slower_than_its_lease_keeps_the_key_by_renewing() {
         let key = key.clone();
         async move { http.post("/payments", Some(&key), "judy", "{}").await }
     });
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let id = RecordId::new("shop", "POST /payments", key.clone()).with_subject("judy");
+    wait_for_state(&client_of(&server), &id, RecordState::InProgress).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     let during = http.post("/payments", Some(&key), "judy", "{}").await;
 
     assert_eq!(
