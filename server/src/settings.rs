@@ -107,7 +107,8 @@ pub struct ServeArgs {
     pub batching: bool,
     /// Most statements in flight at once per kind of call when batching.
     /// One runs at a time; another starts only when the running one is slow
-    /// (see --batch-overlap-after).
+    /// (see --batch-overlap-after). Each worker keeps a connection while
+    /// calls keep coming, so --db-max-connections must be more than twice this.
     #[arg(long, env = "IDEMPOTENCY_BATCH_WORKERS", default_value_t = 2)]
     pub batch_workers: usize,
     /// How long a statement runs before a second one may start beside it.

@@ -105,6 +105,25 @@ pub enum StartupError {
     Transport(#[from] tonic::transport::Error),
 }
 
+/// Every batch worker, for Acquire and for Complete, may keep a connection
+/// while calls keep coming; the other statements need at least one more.
+fn check_pool_fits_batching(pool: &PgPool, batching: BatchSettings) -> Result<(), StartupError> {
+    let kept = 2 * batching.workers.max(1);
+    let max_connections = pool.options().get_max_connections();
+    if usize::try_from(max_connections).is_ok_and(|max| max > kept) {
+        return Ok(());
+    }
+    Err(crate::domain::InvalidField::new(
+        "db_max_connections",
+        format!(
+            "must be more than {kept} with batching on ({} batch workers for Acquire and {0} for \
+             Complete each keep a connection), got {max_connections}",
+            batching.workers.max(1)
+        ),
+    )
+    .into())
+}
+
 pub struct Application {
     grpc_listener: TcpListener,
     metrics_listener: Option<TcpListener>,
@@ -122,6 +141,9 @@ impl Application {
     /// Binds the listeners; nothing is served until [`Self::run_until_stopped`].
     pub async fn build(config: ServerConfig, pool: PgPool) -> Result<Self, StartupError> {
         config.limits.check()?;
+        if let Some(batching) = config.batching {
+            check_pool_fits_batching(&pool, batching)?;
+        }
         let grpc_listener = bind(config.grpc_addr).await?;
         let metrics_listener = match config.metrics_addr {
             Some(addr) => Some(bind(addr).await?),

@@ -8,6 +8,10 @@
 //! (a statement's fixed cost, not its rows, is what a batch saves); a second
 //! worker starts another only when the running one is slow (a row lock, a
 //! slow disk), so one stuck statement does not hold up every call.
+//!
+//! A worker keeps what its statements need between them (for the store, a
+//! connection) while calls keep coming, and gives it back once it has
+//! waited [`KEEP_IDLE`] for calls or kept it [`KEEP_AT_MOST`].
 
 use std::{
     collections::HashSet,
@@ -35,9 +39,21 @@ pub trait Batchable: Send + Sync + 'static {
     fn record(&self) -> &RecordId;
 }
 
-type Execute<I, O> = dyn Fn(Arc<[Arc<I>]>) -> Pin<Box<dyn Future<Output = StoreResult<Vec<O>>> + Send>>
+/// Runs one statement with the worker's kept session (`None`: get one) and
+/// hands back the session worth keeping (`None`: it was given up, e.g. after
+/// an error).
+type Execute<I, O, S> = dyn Fn(
+        Option<S>,
+        Arc<[Arc<I>]>,
+    ) -> Pin<Box<dyn Future<Output = (Option<S>, StoreResult<Vec<O>>)> + Send>>
     + Send
     + Sync;
+
+/// A worker that waited this long for calls gives its session back.
+pub const KEEP_IDLE: Duration = Duration::from_secs(1);
+/// A worker gives its session back after this long even while busy, so that
+/// the pool's own limits (a connection's lifetime) still apply.
+pub const KEEP_AT_MOST: Duration = Duration::from_secs(30);
 
 /// A queued call. Its input is shared, not copied: the caller may need it
 /// again (to explain a miss, or for the next attempt), and a failed batch
@@ -135,13 +151,15 @@ impl Drop for RunningGuard {
 
 impl<I: Batchable, O: Send + 'static> Batcher<I, O> {
     /// Starts the workers. `execute` runs one statement for the inputs given
-    /// and answers in the same order.
-    pub fn spawn<E, F>(name: &'static str, settings: BatchSettings, execute: E) -> Self
+    /// and answers in the same order, with the session `S` its worker kept.
+    pub fn spawn<S, E, F>(name: &'static str, settings: BatchSettings, execute: E) -> Self
     where
-        E: Fn(Arc<[Arc<I>]>) -> F + Send + Sync + 'static,
-        F: Future<Output = StoreResult<Vec<O>>> + Send + 'static,
+        S: Send + 'static,
+        E: Fn(Option<S>, Arc<[Arc<I>]>) -> F + Send + Sync + 'static,
+        F: Future<Output = (Option<S>, StoreResult<Vec<O>>)> + Send + 'static,
     {
-        let execute: Arc<Execute<I, O>> = Arc::new(move |inputs| Box::pin(execute(inputs)));
+        let execute: Arc<Execute<I, O, S>> =
+            Arc::new(move |session, inputs| Box::pin(execute(session, inputs)));
         let (queue, receiver) = mpsc::channel(settings.max_size.max(1) * 64);
         let receiver = Arc::new(Mutex::new(receiver));
         let running = Arc::new(Running::default());
@@ -173,15 +191,16 @@ fn stopped() -> StoreError {
 }
 
 /// A worker: take what is queued (one record at most once), run it, answer.
-async fn work<I: Batchable, O>(
+async fn work<I: Batchable, O, S>(
     name: &'static str,
     receiver: Arc<Mutex<mpsc::Receiver<Job<I, O>>>>,
     running: Arc<Running>,
-    execute: Arc<Execute<I, O>>,
+    execute: Arc<Execute<I, O, S>>,
     settings: BatchSettings,
 ) {
     let max_size = settings.max_size.max(1);
     let mut deferred: Vec<Job<I, O>> = Vec::new();
+    let mut session = Kept::default();
     let hasher = RandomState::new();
     let record_hash = |input: &I| hasher.hash_one(input.record());
     loop {
@@ -201,8 +220,22 @@ async fn work<I: Batchable, O>(
         let _running = if !jobs.is_empty() {
             running.claim(settings.overlap_after).await
         } else {
-            let mut queue = receiver.lock().await;
-            let Some(first) = queue.recv().await else {
+            // Waiting for the queue (another worker may be gathering from
+            // it) or for calls: either way, a long wait gives the session back.
+            let next = async {
+                let mut queue = receiver.lock().await;
+                let first = queue.recv().await;
+                (queue, first)
+            };
+            tokio::pin!(next);
+            let (mut queue, first) = match tokio::time::timeout(KEEP_IDLE, &mut next).await {
+                Ok(next) => next,
+                Err(_) => {
+                    session.give_back();
+                    next.await
+                }
+            };
+            let Some(first) = first else {
                 return; // The batcher was dropped.
             };
             // While another statement runs, let calls gather for the next
@@ -222,16 +255,70 @@ async fn work<I: Batchable, O>(
         };
         metrics::histogram!(crate::metrics::DB_BATCH_SIZE, "query" => name)
             .record(jobs.len() as f64);
-        run_batch(&execute, jobs).await;
+        run_batch(&execute, &mut session, jobs).await;
     }
 }
 
-async fn run_batch<I, O>(execute: &Arc<Execute<I, O>>, jobs: Vec<Job<I, O>>) {
+/// The session a worker keeps between statements, and since when.
+struct Kept<S> {
+    session: Option<S>,
+    since: Instant,
+}
+
+impl<S> Default for Kept<S> {
+    fn default() -> Self {
+        Self {
+            session: None,
+            since: Instant::now(),
+        }
+    }
+}
+
+impl<S> Kept<S> {
+    /// The session for the next statement, if it is still worth keeping.
+    fn take(&mut self) -> Option<S> {
+        if self.since.elapsed() >= KEEP_AT_MOST {
+            self.session = None;
+        }
+        self.session.take()
+    }
+
+    /// Keeps what a statement handed back; a new session starts its clock.
+    fn keep(&mut self, session: Option<S>, was_kept: bool) {
+        if session.is_some() && !was_kept {
+            self.since = Instant::now();
+        }
+        self.session = session;
+    }
+
+    fn give_back(&mut self) {
+        self.session = None;
+    }
+}
+
+/// Runs `inputs` as one statement with the kept session.
+async fn execute_kept<I, O, S>(
+    execute: &Arc<Execute<I, O, S>>,
+    kept: &mut Kept<S>,
+    inputs: Arc<[Arc<I>]>,
+) -> StoreResult<Vec<O>> {
+    let session = kept.take();
+    let was_kept = session.is_some();
+    let (session, result) = execute(session, inputs).await;
+    kept.keep(session, was_kept);
+    result
+}
+
+async fn run_batch<I, O, S>(
+    execute: &Arc<Execute<I, O, S>>,
+    kept: &mut Kept<S>,
+    jobs: Vec<Job<I, O>>,
+) {
     let (inputs, replies): (Vec<Arc<I>>, Vec<_>) =
         jobs.into_iter().map(|j| (j.input, j.reply)).unzip();
     let inputs: Arc<[Arc<I>]> = inputs.into();
     let size = inputs.len();
-    match execute(inputs.clone()).await {
+    match execute_kept(execute, kept, inputs.clone()).await {
         Ok(outputs) if outputs.len() == size => {
             for (reply, output) in replies.into_iter().zip(outputs) {
                 let _ = reply.send(Ok(output));
@@ -250,7 +337,7 @@ async fn run_batch<I, O>(execute: &Arc<Execute<I, O>>, jobs: Vec<Job<I, O>>) {
         // each alone so the error stays with the rows it concerns.
         Err(StoreError::Internal(_)) if size > 1 => {
             for (input, reply) in inputs.iter().zip(replies) {
-                let result = execute(Arc::from([input.clone()]))
+                let result = execute_kept(execute, kept, Arc::from([input.clone()]))
                     .await
                     .and_then(|mut outputs| {
                         outputs
@@ -265,5 +352,116 @@ async fn run_batch<I, O>(execute: &Arc<Execute<I, O>>, jobs: Vec<Job<I, O>>) {
                 let _ = reply.send(Err(error.clone()));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use super::*;
+
+    struct Call(RecordId);
+
+    impl Batchable for Call {
+        fn record(&self) -> &RecordId {
+            &self.0
+        }
+    }
+
+    fn call(key: &str) -> Arc<Call> {
+        let id = RecordId::parse(
+            "id",
+            "ns".into(),
+            "POST /x".into(),
+            "user".into(),
+            key.into(),
+        )
+        .unwrap();
+        Arc::new(Call(id))
+    }
+
+    /// A numbered session that counts its own end.
+    struct Session {
+        number: usize,
+        ended: Arc<AtomicUsize>,
+    }
+
+    impl Drop for Session {
+        fn drop(&mut self) {
+            self.ended.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// One worker whose statements answer each call with the number of the
+    /// session they ran on, opening a new session when given none.
+    fn batcher() -> (Batcher<Call, usize>, Arc<AtomicUsize>) {
+        let opened = Arc::new(AtomicUsize::new(0));
+        let ended = Arc::new(AtomicUsize::new(0));
+        let settings = BatchSettings {
+            workers: 1,
+            ..BatchSettings::default()
+        };
+        let batcher = Batcher::spawn("test", settings, {
+            let ended = ended.clone();
+            move |kept: Option<Session>, inputs: Arc<[Arc<Call>]>| {
+                let session = kept.unwrap_or_else(|| Session {
+                    number: opened.fetch_add(1, Ordering::SeqCst) + 1,
+                    ended: ended.clone(),
+                });
+                let answers = vec![session.number; inputs.len()];
+                async move { (Some(session), Ok(answers)) }
+            }
+        });
+        (batcher, ended)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_worker_keeps_its_session_between_statements() {
+        let (batcher, ended) = batcher();
+        for key in ["key-0001", "key-0002", "key-0003"] {
+            assert_eq!(batcher.run(call(key)).await.unwrap(), 1);
+            tokio::time::sleep(KEEP_IDLE / 2).await;
+        }
+        assert_eq!(ended.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_worker_gives_its_session_back_once_idle() {
+        let (batcher, ended) = batcher();
+        assert_eq!(batcher.run(call("key-0001")).await.unwrap(), 1);
+        tokio::time::sleep(KEEP_IDLE * 2).await;
+        // Given back while waiting, not only when the next call comes.
+        assert_eq!(ended.load(Ordering::SeqCst), 1);
+        assert_eq!(batcher.run(call("key-0002")).await.unwrap(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_busy_worker_still_renews_its_session() {
+        let (batcher, ended) = batcher();
+        let mut numbers = Vec::new();
+        let mut elapsed = Duration::ZERO;
+        while elapsed <= KEEP_AT_MOST + KEEP_IDLE {
+            numbers.push(
+                batcher
+                    .run(call(&format!("key-{:08}", elapsed.as_millis())))
+                    .await
+                    .unwrap(),
+            );
+            tokio::time::sleep(KEEP_IDLE / 2).await;
+            elapsed += KEEP_IDLE / 2;
+        }
+        assert_eq!(numbers.first(), Some(&1));
+        assert_eq!(numbers.last(), Some(&2));
+        assert_eq!(ended.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_batcher_ends_its_workers_session() {
+        let (batcher, ended) = batcher();
+        batcher.run(call("key-0001")).await.unwrap();
+        drop(batcher);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(ended.load(Ordering::SeqCst), 1);
     }
 }

@@ -4,7 +4,9 @@
 
 use std::{sync::Arc, time::Duration};
 
-use sqlx::{PgPool, postgres::types::PgInterval, types::Json};
+use sqlx::{
+    PgConnection, PgPool, Postgres, pool::PoolConnection, postgres::types::PgInterval, types::Json,
+};
 
 use super::{
     AcquiredRow, RecordRow, Store, StoreResult,
@@ -68,13 +70,13 @@ impl Batchers {
     pub(super) fn spawn(pool: PgPool, settings: BatchSettings) -> Self {
         let acquire_pool = pool.clone();
         Self {
-            acquire: Batcher::spawn("acquire", settings, move |inputs| {
+            acquire: Batcher::spawn("acquire", settings, move |kept, inputs| {
                 let pool = acquire_pool.clone();
-                async move { insert_or_read(&pool, &inputs).await }
+                async move { insert_or_read(&pool, kept, &inputs).await }
             }),
-            finish: Batcher::spawn("finish", settings, move |inputs| {
+            finish: Batcher::spawn("finish", settings, move |kept, inputs| {
                 let pool = pool.clone();
-                async move { finish(&pool, &inputs).await }
+                async move { finish(&pool, kept, &inputs).await }
             }),
         }
     }
@@ -89,9 +91,15 @@ impl Store {
             Some(batchers) => batchers.acquire.run(input).await,
             // Boxed: without batching the hot path is a statement per call
             // anyway, and the batched path's futures stay small.
-            None => {
-                single(Box::pin(insert_or_read(&self.pool, std::slice::from_ref(&input))).await)
-            }
+            None => single(
+                Box::pin(insert_or_read(
+                    &self.pool,
+                    None,
+                    std::slice::from_ref(&input),
+                ))
+                .await
+                .1,
+            ),
         }
     }
 
@@ -100,7 +108,11 @@ impl Store {
     pub async fn finish(&self, input: Arc<FinishInput>) -> StoreResult<Option<Timestamp>> {
         match &self.batchers {
             Some(batchers) => batchers.finish.run(input).await,
-            None => single(Box::pin(finish(&self.pool, std::slice::from_ref(&input))).await),
+            None => single(
+                Box::pin(finish(&self.pool, None, std::slice::from_ref(&input)))
+                    .await
+                    .1,
+            ),
         }
     }
 
@@ -176,10 +188,36 @@ struct AttemptRow {
     record: RecordRow,
 }
 
+/// A batch worker's connection, kept between its statements: giving one back
+/// to the pool costs a round trip (sqlx checks it with a Sync) and a task.
+type Kept = Option<PoolConnection<Postgres>>;
+
+/// Runs `statement` on the kept connection, or on one from the pool, and
+/// hands the connection back to be kept. After an error it goes back to the
+/// pool instead, which checks it before anyone uses it again.
+async fn on_kept_connection<T>(
+    pool: &PgPool,
+    kept: Kept,
+    statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+) -> (Kept, StoreResult<T>) {
+    let mut connection = match kept {
+        Some(connection) => connection,
+        None => match connection(pool).await {
+            Ok(connection) => connection,
+            Err(error) => return (None, Err(error)),
+        },
+    };
+    match statement(&mut connection).await {
+        Ok(value) => (Some(connection), Ok(value)),
+        Err(error) => (None, Err(error.into())),
+    }
+}
+
 async fn insert_or_read(
     pool: &PgPool,
+    kept: Kept,
     inputs: &[Arc<AcquireInput>],
-) -> StoreResult<Vec<AcquireAttempt>> {
+) -> (Kept, StoreResult<Vec<AcquireAttempt>>) {
     // The insert skips existing keys without locking or writing them; the
     // second branch reads those with the statement's snapshot, which cannot
     // see this statement's own inserts (and so never reads a key twice). A key
@@ -227,8 +265,7 @@ async fn insert_or_read(
     let positions: Vec<i64> = order.iter().map(|&i| i as i64).collect();
 
     let _timer = QueryTimer::start("acquire");
-    let mut connection = connection(pool).await?;
-    let rows = sqlx::query_as::<_, AttemptRow>(SQL)
+    let query = sqlx::query_as::<_, AttemptRow>(SQL)
         .bind(column(|input| input.id.namespace()))
         .bind(column(|input| input.id.operation()))
         .bind(column(|input| input.id.subject()))
@@ -236,9 +273,15 @@ async fn insert_or_read(
         .bind(fingerprints)
         .bind(ttls)
         .bind(leases)
-        .bind(positions)
-        .fetch_all(&mut *connection)
-        .await?;
+        .bind(positions);
+    let (kept, rows) = on_kept_connection(pool, kept, async |connection| {
+        query.fetch_all(connection).await
+    })
+    .await;
+    let rows = match rows {
+        Ok(rows) => rows,
+        Err(error) => return (kept, Err(error)),
+    };
 
     let mut attempts: Vec<AcquireAttempt> = inputs.iter().map(|_| AcquireAttempt::Raced).collect();
     for row in rows {
@@ -258,10 +301,14 @@ async fn insert_or_read(
             AcquireAttempt::Existing(row.record)
         };
     }
-    Ok(attempts)
+    (kept, Ok(attempts))
 }
 
-async fn finish(pool: &PgPool, inputs: &[Arc<FinishInput>]) -> StoreResult<Vec<Option<Timestamp>>> {
+async fn finish(
+    pool: &PgPool,
+    kept: Kept,
+    inputs: &[Arc<FinishInput>],
+) -> (Kept, StoreResult<Vec<Option<Timestamp>>>) {
     // The expiry check is written `(...) IS TRUE` so that no index can serve
     // it. On a table too young to have statistics, the planner guesses that
     // `expires_at > now()` keeps a third of the rows, and a plan reading the
@@ -301,8 +348,7 @@ async fn finish(pool: &PgPool, inputs: &[Arc<FinishInput>]) -> StoreResult<Vec<O
     let positions: Vec<i64> = order.iter().map(|&i| i as i64).collect();
 
     let _timer = QueryTimer::start("finish");
-    let mut connection = connection(pool).await?;
-    let rows: Vec<(i64, Timestamp)> = sqlx::query_as(SQL)
+    let query = sqlx::query_as::<_, (i64, Timestamp)>(SQL)
         .bind(column(|input| input.id.namespace()))
         .bind(column(|input| input.id.operation()))
         .bind(column(|input| input.id.subject()))
@@ -312,14 +358,20 @@ async fn finish(pool: &PgPool, inputs: &[Arc<FinishInput>]) -> StoreResult<Vec<O
         .bind(statuses)
         .bind(bodies)
         .bind(headers)
-        .bind(positions)
-        .fetch_all(&mut *connection)
-        .await?;
+        .bind(positions);
+    let (kept, rows) = on_kept_connection(pool, kept, async |connection| {
+        query.fetch_all(connection).await
+    })
+    .await;
+    let rows = match rows {
+        Ok(rows) => rows,
+        Err(error) => return (kept, Err(error)),
+    };
     let mut finished = vec![None; inputs.len()];
     for (ord, completed_at) in rows {
         if let Some(slot) = usize::try_from(ord).ok().and_then(|i| finished.get_mut(i)) {
             *slot = Some(completed_at);
         }
     }
-    Ok(finished)
+    (kept, Ok(finished))
 }

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use idempotency_client::pb;
+use idempotency_server::startup::{Application, ServerConfig, StartupError};
 use idempotency_tests::{TestDb, TestServer, record_id, response, test_config, unique_key};
 use tonic::{Code, transport::Channel};
 use tonic_health::pb::{
@@ -103,8 +104,13 @@ async fn an_exhausted_pool_answers_unavailable_instead_of_hanging() {
         acquire_timeout: Duration::from_millis(300),
         ..PoolSettings::default()
     };
-    let server =
-        TestServer::start_with(test_config(), db::pool(db.connect_options(), &settings)).await;
+    // Without batching: its workers each keep a connection, which a pool
+    // of one cannot spare (the server refuses to start so configured).
+    let config = ServerConfig {
+        batching: None,
+        ..test_config()
+    };
+    let server = TestServer::start_with(config, db::pool(db.connect_options(), &settings)).await;
     let mut client = server.client.clone();
     let id = record_id(&unique_key("exhausted"));
     let t = token(&acquire(&mut client, &id, b"fp").await);
@@ -122,4 +128,33 @@ async fn an_exhausted_pool_answers_unavailable_instead_of_hanging() {
     assert_error(other, Code::Unavailable, "DATABASE_UNAVAILABLE");
     blocker.rollback().await.unwrap();
     assert!(stuck.await.unwrap().is_ok());
+}
+
+#[tokio::test]
+async fn a_pool_too_small_for_the_batch_workers_is_refused_at_startup() {
+    use idempotency_server::db::{self, PoolSettings};
+    let db = TestDb::new().await;
+    let workers = test_config().batching.expect("batching is on").workers;
+    let settings = PoolSettings {
+        max_connections: u32::try_from(2 * workers).unwrap(),
+        ..PoolSettings::default()
+    };
+    let refused = Application::build(test_config(), db::pool(db.connect_options(), &settings))
+        .await
+        .err()
+        .expect("a pool the batch workers would fill is refused");
+    let StartupError::Settings(invalid) = refused else {
+        panic!("expected a settings error, got {refused:?}");
+    };
+    assert_eq!(invalid.field, "db_max_connections", "{invalid:?}");
+
+    let settings = PoolSettings {
+        max_connections: u32::try_from(2 * workers + 1).unwrap(),
+        ..PoolSettings::default()
+    };
+    assert!(
+        Application::build(test_config(), db::pool(db.connect_options(), &settings))
+            .await
+            .is_ok()
+    );
 }
