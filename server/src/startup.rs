@@ -86,6 +86,9 @@ const MIN_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 /// How often the pool's connection counts are published.
 const POOL_GAUGE_INTERVAL: Duration = Duration::from_secs(5);
 
+/// Fewer connections than this beside the batch workers' draws a warning.
+const FEW_SPARE_CONNECTIONS: usize = 4;
+
 /// After draining, how long to wait for the pool's connections to come back.
 const POOL_CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -110,7 +113,18 @@ pub enum StartupError {
 fn check_pool_fits_batching(pool: &PgPool, batching: BatchSettings) -> Result<(), StartupError> {
     let kept = 2 * batching.workers.max(1);
     let max_connections = pool.options().get_max_connections();
-    if usize::try_from(max_connections).is_ok_and(|max| max > kept) {
+    let spare = usize::try_from(max_connections).map_or(usize::MAX, |max| max.saturating_sub(kept));
+    if spare >= FEW_SPARE_CONNECTIONS {
+        return Ok(());
+    }
+    if spare > 0 {
+        // Takeovers, Get, Renew, Release, the health probe and the gauges
+        // share what is left; under load they may wait for it.
+        tracing::warn!(
+            max_connections,
+            kept_by_batch_workers = kept,
+            "few database connections are left beside the batch workers"
+        );
         return Ok(());
     }
     Err(crate::domain::InvalidField::new(
@@ -269,8 +283,10 @@ impl Application {
         watcher.abort();
         drop(background);
         // Each connection runs in its own task, so calls that outlived the
-        // drain timeout may still hold database connections: bound the wait
-        // for them too. Returning ends the process, and those calls with it.
+        // drain timeout may still hold database connections, and so may the
+        // batch workers serving them (a kept connection is closed at its next
+        // statement or after a second without one): bound the wait for them
+        // too. Returning ends the process, and those calls with it.
         if tokio::time::timeout(POOL_CLOSE_TIMEOUT, pool.close())
             .await
             .is_err()

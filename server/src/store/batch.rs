@@ -396,10 +396,14 @@ mod tests {
     /// One worker whose statements answer each call with the number of the
     /// session they ran on, opening a new session when given none.
     fn batcher() -> (Batcher<Call, usize>, Arc<AtomicUsize>) {
+        batcher_with(1)
+    }
+
+    fn batcher_with(workers: usize) -> (Batcher<Call, usize>, Arc<AtomicUsize>) {
         let opened = Arc::new(AtomicUsize::new(0));
         let ended = Arc::new(AtomicUsize::new(0));
         let settings = BatchSettings {
-            workers: 1,
+            workers,
             ..BatchSettings::default()
         };
         let batcher = Batcher::spawn("test", settings, {
@@ -434,6 +438,19 @@ mod tests {
         // Given back while waiting, not only when the next call comes.
         assert_eq!(ended.load(Ordering::SeqCst), 1);
         assert_eq!(batcher.run(call("key-0002")).await.unwrap(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_worker_waiting_for_the_queue_gives_its_session_back_too() {
+        // With two workers, the one that ran the statement then waits for
+        // the queue, which the other holds while it waits for calls.
+        let (batcher, ended) = batcher_with(2);
+        // Both workers waiting: one for calls, holding the queue, the other
+        // for the queue.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(batcher.run(call("key-0001")).await.unwrap(), 1);
+        tokio::time::sleep(KEEP_IDLE * 2).await;
+        assert_eq!(ended.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test(start_paused = true)]

@@ -194,12 +194,14 @@ type Kept = Option<PoolConnection<Postgres>>;
 
 /// Runs `statement` on the kept connection, or on one from the pool, and
 /// hands the connection back to be kept. After an error it goes back to the
-/// pool instead, which checks it before anyone uses it again.
+/// pool instead, which checks it before anyone uses it again. Once the pool
+/// is closed (shutdown), a kept connection is closed too, not used.
 async fn on_kept_connection<T>(
     pool: &PgPool,
     kept: Kept,
     statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
 ) -> (Kept, StoreResult<T>) {
+    let kept = kept.filter(|_| !pool.is_closed());
     let mut connection = match kept {
         Some(connection) => connection,
         None => match connection(pool).await {

@@ -42,6 +42,11 @@ async fn a_new_table_is_read_by_key_never_scanned() {
     .execute(&db.pool)
     .await
     .unwrap();
+    // Young for the whole test: no statistics arrive midway.
+    sqlx::query("ALTER TABLE idempotency_records SET (autovacuum_enabled = false)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     let barrier = Arc::new(Barrier::new(32));
     let tasks: Vec<_> = (0..32)
         .map(|_| {
@@ -73,6 +78,7 @@ async fn a_new_table_is_read_by_key_never_scanned() {
     // until only this test's own connections are left.
     server.stop().await;
     let mut own = db.pool.acquire().await.unwrap();
+    let mut exited = false;
     for _ in 0..100 {
         let others: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity
@@ -82,10 +88,15 @@ async fn a_new_table_is_read_by_key_never_scanned() {
         .await
         .unwrap();
         if others < i64::from(db.pool.size()) {
+            exited = true;
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
+    assert!(
+        exited,
+        "the server's connections were still open after 10 s"
+    );
     drop(own);
     // Rows read by sequential scans: the migration's index builds scan the
     // table too, but while it is empty.
