@@ -116,6 +116,24 @@ for case in "${cases[@]}"; do
   fi
 done
 
+# Values the server would refuse (or that would kill pods mid-drain) fail at
+# render time, with a message naming them.
+refuses() { # values-file expected-message
+  local output
+  if output=$("$PY" deploy/tools/helm.py template "$RELEASE" "$CHART" -f "$1" -n "$NAMESPACE" 2>&1); then
+    echo "rendered, but should have been refused"
+    return 1
+  fi
+  grep -qF -- "$2" <<<"$output" || { echo "$output"; echo "refused, but without: $2"; return 1; }
+  echo "refused: $2"
+}
+printf 'config:\n  dbMaxConnections: 4\n  batchWorkers: 2\n' >"$OUT/refuse-small-pool.yaml"
+run "chart refuses a pool its batch workers would fill" \
+  refuses "$OUT/refuse-small-pool.yaml" "must be more than 4 (2 x config.batchWorkers)"
+printf 'terminationGracePeriodSeconds: 10\nconfig:\n  drainTimeout: 20s\n' >"$OUT/refuse-short-grace.yaml"
+run "chart refuses a grace period shorter than the drain" \
+  refuses "$OUT/refuse-short-grace.yaml" "must exceed config.drainTimeout"
+
 same_rules() {
   [ -f deploy/prometheus/alerts.yaml ] || { echo "deploy/prometheus/alerts.yaml is missing"; return 1; }
   cmp deploy/prometheus/alerts.yaml "$CHART/files/alerts.yaml" &&

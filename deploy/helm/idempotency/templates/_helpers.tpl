@@ -161,6 +161,14 @@ has another form (the drain check below is then skipped).
 {{- end }}
 {{- end }}
 
+{{/* Refuses a pool the batch workers would fill: each keeps a connection, and the server would refuse to start. */}}
+{{- define "idempotency.checkPool" -}}
+{{- $kept := mul 2 (max 1 (int .Values.config.batchWorkers)) }}
+{{- if and .Values.config.batching (le (int .Values.config.dbMaxConnections) $kept) }}
+{{- fail (printf "config.dbMaxConnections (%d) must be more than %d (2 x config.batchWorkers) with config.batching on: each batch worker keeps a connection" (int .Values.config.dbMaxConnections) $kept) }}
+{{- end }}
+{{- end }}
+
 {{/* Refuses a grace period that would SIGKILL pods before they drain. */}}
 {{- define "idempotency.checkGracePeriod" -}}
 {{- $drain := include "idempotency.durationSeconds" .Values.config.drainTimeout | int64 }}
