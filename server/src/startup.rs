@@ -111,7 +111,7 @@ pub enum StartupError {
 /// Every batch worker, for Acquire and for Complete, may keep a connection
 /// while calls keep coming; the other statements need at least one more.
 fn check_pool_fits_batching(pool: &PgPool, batching: BatchSettings) -> Result<(), StartupError> {
-    let kept = 2 * batching.workers.max(1);
+    let kept = batching.kept_connections();
     let max_connections = pool.options().get_max_connections();
     let spare = usize::try_from(max_connections).map_or(usize::MAX, |max| max.saturating_sub(kept));
     if spare >= FEW_SPARE_CONNECTIONS {
@@ -130,9 +130,8 @@ fn check_pool_fits_batching(pool: &PgPool, batching: BatchSettings) -> Result<()
     Err(crate::domain::InvalidField::new(
         "db_max_connections",
         format!(
-            "must be more than {kept} with batching on ({} batch workers for Acquire and {0} for \
-             Complete each keep a connection), got {max_connections}",
-            batching.workers.max(1)
+            "must be more than {kept} with batching on (each batch worker, for Acquire and for \
+             Complete, keeps a connection), got {max_connections}"
         ),
     )
     .into())

@@ -200,7 +200,7 @@ async fn work<I: Batchable, O, S>(
 ) {
     let max_size = settings.max_size.max(1);
     let mut deferred: Vec<Job<I, O>> = Vec::new();
-    let mut session = Kept::default();
+    let mut session = Kept(None);
     let hasher = RandomState::new();
     let record_hash = |input: &I| hasher.hash_one(input.record());
     loop {
@@ -259,54 +259,30 @@ async fn work<I: Batchable, O, S>(
     }
 }
 
-/// The session a worker keeps between statements, and since when.
-struct Kept<S> {
-    session: Option<S>,
-    since: Instant,
-}
-
-impl<S> Default for Kept<S> {
-    fn default() -> Self {
-        Self {
-            session: None,
-            since: Instant::now(),
-        }
-    }
-}
+/// The session a worker keeps between statements, and since when it has it.
+struct Kept<S>(Option<(S, Instant)>);
 
 impl<S> Kept<S> {
-    /// The session for the next statement, if it is still worth keeping.
-    fn take(&mut self) -> Option<S> {
-        if self.since.elapsed() >= KEEP_AT_MOST {
-            self.session = None;
-        }
-        self.session.take()
-    }
-
-    /// Keeps what a statement handed back; a new session starts its clock.
-    fn keep(&mut self, session: Option<S>, was_kept: bool) {
-        if session.is_some() && !was_kept {
-            self.since = Instant::now();
-        }
-        self.session = session;
+    /// Runs `inputs` as one statement on the kept session (a new one when
+    /// none is kept, or the kept one is [`KEEP_AT_MOST`] old), and keeps
+    /// what the statement hands back.
+    async fn run<I, O>(
+        &mut self,
+        execute: &Arc<Execute<I, O, S>>,
+        inputs: Arc<[Arc<I>]>,
+    ) -> StoreResult<Vec<O>> {
+        let (session, since) = match self.0.take() {
+            Some((session, since)) if since.elapsed() < KEEP_AT_MOST => (Some(session), since),
+            _ => (None, Instant::now()),
+        };
+        let (session, result) = execute(session, inputs).await;
+        self.0 = session.map(|session| (session, since));
+        result
     }
 
     fn give_back(&mut self) {
-        self.session = None;
+        self.0 = None;
     }
-}
-
-/// Runs `inputs` as one statement with the kept session.
-async fn execute_kept<I, O, S>(
-    execute: &Arc<Execute<I, O, S>>,
-    kept: &mut Kept<S>,
-    inputs: Arc<[Arc<I>]>,
-) -> StoreResult<Vec<O>> {
-    let session = kept.take();
-    let was_kept = session.is_some();
-    let (session, result) = execute(session, inputs).await;
-    kept.keep(session, was_kept);
-    result
 }
 
 async fn run_batch<I, O, S>(
@@ -318,7 +294,7 @@ async fn run_batch<I, O, S>(
         jobs.into_iter().map(|j| (j.input, j.reply)).unzip();
     let inputs: Arc<[Arc<I>]> = inputs.into();
     let size = inputs.len();
-    match execute_kept(execute, kept, inputs.clone()).await {
+    match kept.run(execute, inputs.clone()).await {
         Ok(outputs) if outputs.len() == size => {
             for (reply, output) in replies.into_iter().zip(outputs) {
                 let _ = reply.send(Ok(output));
@@ -337,7 +313,8 @@ async fn run_batch<I, O, S>(
         // each alone so the error stays with the rows it concerns.
         Err(StoreError::Internal(_)) if size > 1 => {
             for (input, reply) in inputs.iter().zip(replies) {
-                let result = execute_kept(execute, kept, Arc::from([input.clone()]))
+                let result = kept
+                    .run(execute, Arc::from([input.clone()]))
                     .await
                     .and_then(|mut outputs| {
                         outputs

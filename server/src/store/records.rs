@@ -5,7 +5,11 @@
 use std::{sync::Arc, time::Duration};
 
 use sqlx::{
-    PgConnection, PgPool, Postgres, pool::PoolConnection, postgres::types::PgInterval, types::Json,
+    FromRow, PgPool, Postgres,
+    pool::PoolConnection,
+    postgres::{PgArguments, PgRow, types::PgInterval},
+    query::QueryAs,
+    types::Json,
 };
 
 use super::{
@@ -64,6 +68,14 @@ impl Batchable for FinishInput {
 pub(super) struct Batchers {
     acquire: Batcher<AcquireInput, AcquireAttempt>,
     finish: Batcher<FinishInput, Option<Timestamp>>,
+}
+
+impl BatchSettings {
+    /// Connections the batch workers may keep at once: one per worker, for
+    /// Acquire and for Complete.
+    pub fn kept_connections(&self) -> usize {
+        2 * self.workers.max(1)
+    }
 }
 
 impl Batchers {
@@ -192,15 +204,18 @@ struct AttemptRow {
 /// to the pool costs a round trip (sqlx checks it with a Sync) and a task.
 type Kept = Option<PoolConnection<Postgres>>;
 
-/// Runs `statement` on the kept connection, or on one from the pool, and
-/// hands the connection back to be kept. After an error it goes back to the
-/// pool instead, which checks it before anyone uses it again. Once the pool
-/// is closed (shutdown), a kept connection is closed too, not used.
-async fn on_kept_connection<T>(
+/// Runs `query` on the kept connection, or on one from the pool, and hands
+/// the connection back to be kept. After an error it goes back to the pool
+/// instead, which checks it before anyone uses it again. Once the pool is
+/// closed (shutdown), a kept connection is closed too, not used.
+async fn fetch_all_on_kept<'q, O>(
     pool: &PgPool,
     kept: Kept,
-    statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
-) -> (Kept, StoreResult<T>) {
+    query: QueryAs<'q, Postgres, O, PgArguments>,
+) -> (Kept, StoreResult<Vec<O>>)
+where
+    O: Send + Unpin + for<'r> FromRow<'r, PgRow>,
+{
     let kept = kept.filter(|_| !pool.is_closed());
     let mut connection = match kept {
         Some(connection) => connection,
@@ -209,8 +224,8 @@ async fn on_kept_connection<T>(
             Err(error) => return (None, Err(error)),
         },
     };
-    match statement(&mut connection).await {
-        Ok(value) => (Some(connection), Ok(value)),
+    match query.fetch_all(&mut *connection).await {
+        Ok(rows) => (Some(connection), Ok(rows)),
         Err(error) => (None, Err(error.into())),
     }
 }
@@ -276,16 +291,14 @@ async fn insert_or_read(
         .bind(ttls)
         .bind(leases)
         .bind(positions);
-    let (kept, rows) = on_kept_connection(pool, kept, async |connection| {
-        query.fetch_all(connection).await
-    })
-    .await;
-    let rows = match rows {
-        Ok(rows) => rows,
-        Err(error) => return (kept, Err(error)),
-    };
+    let (kept, rows) = fetch_all_on_kept(pool, kept, query).await;
+    (kept, rows.map(|rows| attempts(rows, inputs.len())))
+}
 
-    let mut attempts: Vec<AcquireAttempt> = inputs.iter().map(|_| AcquireAttempt::Raced).collect();
+/// Each input's attempt, from the statement's rows; an input without a row
+/// raced.
+fn attempts(rows: Vec<AttemptRow>, inputs: usize) -> Vec<AcquireAttempt> {
+    let mut attempts: Vec<AcquireAttempt> = (0..inputs).map(|_| AcquireAttempt::Raced).collect();
     for row in rows {
         let Some(slot) = usize::try_from(row.ord)
             .ok()
@@ -303,7 +316,7 @@ async fn insert_or_read(
             AcquireAttempt::Existing(row.record)
         };
     }
-    (kept, Ok(attempts))
+    attempts
 }
 
 async fn finish(
@@ -361,19 +374,15 @@ async fn finish(
         .bind(bodies)
         .bind(headers)
         .bind(positions);
-    let (kept, rows) = on_kept_connection(pool, kept, async |connection| {
-        query.fetch_all(connection).await
-    })
-    .await;
-    let rows = match rows {
-        Ok(rows) => rows,
-        Err(error) => return (kept, Err(error)),
-    };
-    let mut finished = vec![None; inputs.len()];
-    for (ord, completed_at) in rows {
-        if let Some(slot) = usize::try_from(ord).ok().and_then(|i| finished.get_mut(i)) {
-            *slot = Some(completed_at);
+    let (kept, rows) = fetch_all_on_kept(pool, kept, query).await;
+    let finished = |rows: Vec<(i64, Timestamp)>| {
+        let mut finished = vec![None; inputs.len()];
+        for (ord, completed_at) in rows {
+            if let Some(slot) = usize::try_from(ord).ok().and_then(|i| finished.get_mut(i)) {
+                *slot = Some(completed_at);
+            }
         }
-    }
-    (kept, Ok(finished))
+        finished
+    };
+    (kept, rows.map(finished))
 }
