@@ -23,7 +23,7 @@ use idempotency_tests::{
 use tokio::sync::Barrier;
 use tonic::{Request, Response, Status};
 
-use crate::support::request;
+use crate::support::{proceed, request};
 
 const CALLERS: usize = 48;
 
@@ -120,9 +120,7 @@ async fn concurrent_calls_of_one_client_share_batches_and_one_holds_each_key() {
         let (client, request) = (client.clone(), requests[caller].clone());
         let response = StoredResponse::new(201, format!("caller {caller}"));
         async move {
-            let Acquisition::Proceed(mut lease) = client.acquire(&request).await.unwrap() else {
-                panic!("a fresh key is acquired");
-            };
+            let mut lease = proceed(&client, &request).await;
             lease.complete(&response).await
         }
     })
@@ -218,9 +216,7 @@ async fn a_cancelled_call_hands_its_place_to_the_calls_queued_behind_it() {
 
     // The first Complete goes alone and hangs on a row lock.
     let stuck = request("batched-stuck");
-    let Acquisition::Proceed(mut stuck_lease) = client.acquire(&stuck).await.unwrap() else {
-        panic!("acquired");
-    };
+    let mut stuck_lease = proceed(&client, &stuck).await;
     let _lock = lock_record(&db, &stuck.id.key).await;
     let leader = {
         let response = response.clone();
@@ -232,9 +228,7 @@ async fn a_cancelled_call_hands_its_place_to_the_calls_queued_behind_it() {
     let mut followers = Vec::new();
     for n in 0..8 {
         let request = request(&format!("batched-follower-{n}"));
-        let Acquisition::Proceed(mut lease) = client.acquire(&request).await.unwrap() else {
-            panic!("acquired");
-        };
+        let mut lease = proceed(&client, &request).await;
         let response = response.clone();
         followers.push(tokio::spawn(async move { lease.complete(&response).await }));
     }
@@ -262,9 +256,7 @@ async fn a_caller_giving_up_does_not_take_down_the_calls_that_joined_its_batch()
     let mut leases = Vec::new();
     for n in 0..9 {
         let request = request(&format!("joined-{n}"));
-        let Acquisition::Proceed(lease) = client.acquire(&request).await.unwrap() else {
-            panic!("acquired");
-        };
+        let lease = proceed(&client, &request).await;
         leases.push((request, lease));
     }
     // The first caller's record is locked, so the batch carrying all nine
@@ -448,9 +440,7 @@ fn a_client_outliving_a_runtime_keeps_working() {
         let server = TestServer::start(&db).await;
         let client = batching_client(server.addr);
         let stuck = request("runtime-stuck");
-        let Acquisition::Proceed(stuck_lease) = client.acquire(&stuck).await.unwrap() else {
-            panic!("acquired");
-        };
+        let stuck_lease = proceed(&client, &stuck).await;
         let mut followers = Vec::new();
         for n in 0..4 {
             let Acquisition::Proceed(lease) = client

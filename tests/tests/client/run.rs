@@ -9,7 +9,7 @@ use std::{
 };
 
 use idempotency_client::{
-    Acquisition, Failure, OnUnavailable, Ran, RecordState, RunError, RunOptions, StoredResponse,
+    Failure, OnUnavailable, Ran, RecordState, RunError, RunOptions, StoredResponse,
 };
 use idempotency_tests::{TestDb, TestServer};
 
@@ -122,9 +122,7 @@ async fn a_panic_in_the_logic_releases_the_key() {
 
     assert!(panicked.unwrap_err().is_panic());
     wait_for_state(&client, &request.id, RecordState::Released).await;
-    let Acquisition::Proceed(lease) = client.acquire(&request).await.unwrap() else {
-        panic!()
-    };
+    let lease = proceed(&client, &request).await;
     assert_eq!(lease.fencing_token(), 2);
 }
 
@@ -158,9 +156,7 @@ async fn a_cancelled_call_releases_the_key() {
 
     assert!(cancelled.is_none(), "the call was dropped mid-flight");
     wait_for_state(&client, &request.id, RecordState::Released).await;
-    let Acquisition::Proceed(lease) = client.acquire(&request).await.unwrap() else {
-        panic!()
-    };
+    let lease = proceed(&client, &request).await;
     assert_eq!(lease.fencing_token(), 2);
 }
 
@@ -185,9 +181,7 @@ async fn a_takeover_during_the_logic_surfaces_as_lease_lost() {
     });
     wait_for_state(&client, &request.id, RecordState::InProgress).await;
     tokio::time::sleep(Duration::from_millis(1300)).await; // The 1 s lease passes.
-    let Acquisition::Proceed(mut usurper) = client.acquire(&request).await.unwrap() else {
-        panic!()
-    };
+    let mut usurper = proceed(&client, &request).await;
     usurper
         .complete(&StoredResponse::new(201, "fast"))
         .await

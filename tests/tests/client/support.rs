@@ -1,7 +1,7 @@
 use std::time::Duration;
 
 use idempotency_client::{
-    AcquireRequest, Client, ClientOptions, RecordId, RecordState, RetryPolicy,
+    AcquireRequest, Acquisition, Client, ClientOptions, Lease, RecordId, RecordState, RetryPolicy,
 };
 use idempotency_tests::{TestServer, unique_key};
 
@@ -40,6 +40,15 @@ pub fn request(label: &str) -> AcquireRequest {
         RecordId::new("payments", "POST /payments", unique_key(label)).with_subject("user-1"),
         b"fingerprint".to_vec(),
     )
+}
+
+/// Acquires a key the caller expects to hold (free, or taken over), and
+/// returns its lease.
+pub async fn proceed(client: &Client, request: &AcquireRequest) -> Lease {
+    match client.acquire(request).await.unwrap() {
+        Acquisition::Proceed(lease) => lease,
+        other => panic!("expected to proceed, got {other:?}"),
+    }
 }
 
 /// Waits until the record reaches `state` (releases on drop are asynchronous).

@@ -16,9 +16,7 @@ async fn outcomes_arrive_as_domain_types() {
     let client = client_of(&server);
     let request = request("typed");
 
-    let Acquisition::Proceed(mut lease) = client.acquire(&request).await.unwrap() else {
-        panic!()
-    };
+    let mut lease = proceed(&client, &request).await;
     assert_eq!(lease.fencing_token(), 1);
     assert!(lease.lease_expires_at() < lease.expires_at());
     assert!(matches!(
@@ -67,13 +65,9 @@ async fn errors_are_typed_by_code_and_reason() {
     assert_eq!(field.as_deref(), Some("id.key"));
 
     let request = request("lost").with_lease(Duration::from_secs(1));
-    let Acquisition::Proceed(mut first) = client.acquire(&request).await.unwrap() else {
-        panic!()
-    };
+    let mut first = proceed(&client, &request).await;
     tokio::time::sleep(Duration::from_millis(1150)).await;
-    let Acquisition::Proceed(mut second) = client.acquire(&request).await.unwrap() else {
-        panic!()
-    };
+    let mut second = proceed(&client, &request).await;
     assert!(matches!(
         first.complete(&StoredResponse::new(201, "")).await,
         Err(Error::LeaseLost)
@@ -95,9 +89,7 @@ async fn keep_alive_renews_a_slow_holder_until_it_completes() {
     let server = TestServer::start(&db).await;
     let client = client_of(&server);
     let request = request("keepalive").with_lease(Duration::from_secs(1));
-    let Acquisition::Proceed(mut lease) = client.acquire(&request).await.unwrap() else {
-        panic!()
-    };
+    let mut lease = proceed(&client, &request).await;
 
     lease.keep_alive(Duration::from_millis(300), Duration::from_secs(1));
     for _ in 0..5 {
@@ -122,16 +114,12 @@ async fn dropping_an_unfinished_lease_releases_the_key() {
     let server = TestServer::start(&db).await;
     let client = client_of(&server);
     let request = request("dropped");
-    let Acquisition::Proceed(lease) = client.acquire(&request).await.unwrap() else {
-        panic!()
-    };
+    let lease = proceed(&client, &request).await;
 
     drop(lease);
 
     wait_for_state(&client, &request.id, RecordState::Released).await;
-    let Acquisition::Proceed(next) = client.acquire(&request).await.unwrap() else {
-        panic!()
-    };
+    let next = proceed(&client, &request).await;
     assert_eq!(next.fencing_token(), 2);
 }
 
