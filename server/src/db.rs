@@ -41,9 +41,19 @@ impl Default for PoolSettings {
     }
 }
 
+/// The `application_name` of the server's connections, unless the database
+/// URL names another.
+pub const APPLICATION_NAME: &str = "idempotencyd";
+
 /// Builds the pool without connecting, so the server starts (NOT_SERVING)
 /// while the database is still coming up and recovers when it arrives.
 pub fn pool(options: PgConnectOptions, settings: &PoolSettings) -> PgPool {
+    // Named, so that operators can tell the service's connections apart in
+    // pg_stat_activity (a name in DATABASE_URL wins).
+    let options = match options.get_application_name() {
+        Some(_) => options,
+        None => options.application_name(APPLICATION_NAME),
+    };
     // Every statement is bounded, so a stuck query becomes UNAVAILABLE, not a hung call.
     let mut options = options.options([(
         "statement_timeout",
@@ -72,4 +82,27 @@ pub fn pool(options: PgConnectOptions, settings: &PoolSettings) -> PgPool {
 
 pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
     MIGRATOR.run(pool).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn connections_are_named_unless_the_url_names_them() {
+        let settings = PoolSettings::default();
+        let unnamed = pool("postgres://u@localhost/db".parse().unwrap(), &settings);
+        let named = pool(
+            "postgres://u@localhost/db?application_name=mine"
+                .parse()
+                .unwrap(),
+            &settings,
+        );
+
+        assert_eq!(
+            unnamed.connect_options().get_application_name(),
+            Some(APPLICATION_NAME)
+        );
+        assert_eq!(named.connect_options().get_application_name(), Some("mine"));
+    }
 }

@@ -158,3 +158,49 @@ async fn a_pool_too_small_for_the_batch_workers_is_refused_at_startup() {
             .is_ok()
     );
 }
+
+/// Postgres ends the server's connections (a failover, an operator's
+/// `pg_terminate_backend`) while the batch workers keep theirs. Each ended
+/// connection fails at most one call, with UNAVAILABLE, and is not used
+/// again: the calls right after it, with no pause that would let a worker
+/// give its connection back for being idle, succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_postgres_ended_fail_one_call_each_and_are_not_used_again() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let mut client = server.client.clone();
+    // The Acquire and the Complete batch workers now keep a connection each.
+    let id = record_id(&unique_key("ended"));
+    let t = token(&acquire(&mut client, &id, b"fp").await);
+    complete(&mut client, &id, t, response(201, "paid"))
+        .await
+        .expect("completed");
+
+    let ended: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                               WHERE datname = current_database() AND application_name = $1) t",
+    )
+    .bind(idempotency_server::db::APPLICATION_NAME)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(
+        ended >= 2,
+        "the server had {ended} connections, expected the kept ones"
+    );
+
+    let mut failures = 0;
+    let mut answered = 0;
+    while answered < 5 {
+        let id = record_id(&unique_key("after"));
+        match try_acquire(&mut client, &id, b"fp").await {
+            Ok(_) => answered += 1,
+            Err(status) if status.code() == Code::Unavailable => failures += 1,
+            Err(status) => panic!("{status:?}"),
+        }
+        assert!(
+            failures <= ended,
+            "{failures} calls failed after Postgres ended {ended} connections: a dead connection is reused"
+        );
+    }
+}
