@@ -202,7 +202,7 @@ struct AttemptRow {
 
 /// A batch worker's connection, kept between its statements: giving one back
 /// to the pool costs a round trip (sqlx checks it with a Sync) and a task.
-type Kept = Option<PoolConnection<Postgres>>;
+type KeptConnection = Option<PoolConnection<Postgres>>;
 
 /// Runs `query` on the kept connection, or on one from the pool, and hands
 /// the connection back to be kept. After an error it goes back to the pool
@@ -210,9 +210,9 @@ type Kept = Option<PoolConnection<Postgres>>;
 /// closed (shutdown), a kept connection is closed too, not used.
 async fn fetch_all_on_kept<'q, O>(
     pool: &PgPool,
-    kept: Kept,
+    kept: KeptConnection,
     query: QueryAs<'q, Postgres, O, PgArguments>,
-) -> (Kept, StoreResult<Vec<O>>)
+) -> (KeptConnection, StoreResult<Vec<O>>)
 where
     O: Send + Unpin + for<'r> FromRow<'r, PgRow>,
 {
@@ -232,9 +232,9 @@ where
 
 async fn insert_or_read(
     pool: &PgPool,
-    kept: Kept,
+    kept: KeptConnection,
     inputs: &[Arc<AcquireInput>],
-) -> (Kept, StoreResult<Vec<AcquireAttempt>>) {
+) -> (KeptConnection, StoreResult<Vec<AcquireAttempt>>) {
     // The insert skips existing keys without locking or writing them; the
     // second branch reads those with the statement's snapshot, which cannot
     // see this statement's own inserts (and so never reads a key twice). A key
@@ -321,9 +321,9 @@ fn attempts(rows: Vec<AttemptRow>, inputs: usize) -> Vec<AcquireAttempt> {
 
 async fn finish(
     pool: &PgPool,
-    kept: Kept,
+    kept: KeptConnection,
     inputs: &[Arc<FinishInput>],
-) -> (Kept, StoreResult<Vec<Option<Timestamp>>>) {
+) -> (KeptConnection, StoreResult<Vec<Option<Timestamp>>>) {
     // The expiry check is written `(...) IS TRUE` so that no index can serve
     // it. On a table too young to have statistics, the planner guesses that
     // `expires_at > now()` keeps a third of the rows, and a plan reading the
