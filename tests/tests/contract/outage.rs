@@ -3,7 +3,10 @@
 use std::time::Duration;
 
 use idempotency_client::pb;
-use idempotency_server::startup::{Application, ServerConfig, StartupError};
+use idempotency_server::{
+    db::{self, PoolSettings},
+    startup::{Application, ServerConfig, StartupError},
+};
 use idempotency_tests::{TestDb, TestServer, record_id, response, test_config, unique_key};
 use tonic::{Code, transport::Channel};
 use tonic_health::pb::{
@@ -97,7 +100,6 @@ async fn while_the_database_is_down_calls_are_unavailable_and_health_is_not_serv
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exhausted_pool_answers_unavailable_instead_of_hanging() {
-    use idempotency_server::db::{self, PoolSettings};
     let db = TestDb::new().await;
     let settings = PoolSettings {
         max_connections: 1,
@@ -132,7 +134,6 @@ async fn an_exhausted_pool_answers_unavailable_instead_of_hanging() {
 
 #[tokio::test]
 async fn a_pool_too_small_for_the_batch_workers_is_refused_at_startup() {
-    use idempotency_server::db::{self, PoolSettings};
     let db = TestDb::new().await;
     let workers = test_config().batching.expect("batching is on").workers;
     let settings = PoolSettings {
