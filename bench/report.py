@@ -150,6 +150,14 @@ ROW_LABEL = {
 }
 
 
+def paired_ratios(pgbench_runs, service_runs):
+    """service / pgbench for each repetition both ran, in repetition order."""
+    pgbench = {r["rep"]: r["ops_per_sec"] for r in pgbench_runs}
+    return [round(r["ops_per_sec"] / pgbench[r["rep"]], 3)
+            for r in sorted(service_runs, key=lambda r: r["rep"])
+            if pgbench.get(r["rep"]) and r["ops_per_sec"]]
+
+
 def summary(raw, out, meta_json):
     meta = json.loads(meta_json)
     runs = [json.loads(line) for line in open(raw)]
@@ -193,6 +201,11 @@ def summary(raw, out, meta_json):
             entry[tool] = s
         p, sv = entry["pgbench"]["ops_per_sec"], entry["service"]["ops_per_sec"]
         entry["ratio_service_to_pgbench"] = round(sv / p, 3) if p and sv else None
+        # Each repetition's service run against the pgbench run just before
+        # it: a minute apart, so both saw much the same machine. The machine's
+        # speed drifts between repetitions, and the ratio with it.
+        entry["ratios_per_repeat"] = paired_ratios(entry["pgbench"]["runs"], entry["service"]["runs"])
+        entry["ratio_per_repeat_median"] = median(entry["ratios_per_repeat"])
         results.append(entry)
 
     doc = {
@@ -240,6 +253,14 @@ def summary(raw, out, meta_json):
         f"Medians of {meta['settings']['repeats']} x {meta['settings']['seconds']} s; errors: {errors}; "
         f"Postgres {pg['version']}, fsync={pg['fsync']}, synchronous_commit={pg['synchronous_commit']}; "
         f"{os.cpu_count()} CPUs ({cpu_model()}); server at {meta.get('git_commit', '?')}.")
+    lines.append("")
+    lines.append("Service / pgbench per repetition (each against the pgbench run just before it):")
+    lines.append("")
+    for e in results:
+        if e["ratios_per_repeat"]:
+            ratios = ", ".join(f"{r:.2f}" for r in e["ratios_per_repeat"])
+            lines.append(f"- {ROW_LABEL.get(e['scenario'], e['scenario'])} at {e['concurrency']}: "
+                         f"{ratios} (median {e['ratio_per_repeat_median']:.2f})")
     table = "\n".join(lines)
     with open(out + ".md", "w") as f:
         f.write(table + "\n")
