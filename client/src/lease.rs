@@ -80,7 +80,8 @@ impl Lease {
         &self.id
     }
 
-    /// 1 for a new record, one more on every takeover.
+    /// This attempt's token: no other attempt ever gets it, and later
+    /// attempts on the key get larger ones.
     pub fn fencing_token(&self) -> u64 {
         self.fencing_token
     }

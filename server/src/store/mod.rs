@@ -85,7 +85,7 @@ pub struct AcquiredRow {
 }
 
 impl AcquiredRow {
-    /// A record this statement created: token 1, no previous state.
+    /// A record this statement created: a new token, no previous state.
     pub(crate) fn inserted(
         fencing_token: i64,
         lease_expires_at: Timestamp,

@@ -40,7 +40,7 @@ impl Batchable for AcquireInput {
 /// What the insert-or-read statement found for one Acquire.
 #[derive(Debug)]
 pub enum AcquireAttempt {
-    /// This statement created the record: the caller holds it with token 1.
+    /// This statement created the record: the caller holds it with a new token.
     Inserted(AcquiredRow),
     /// The record exists, as read by the same statement.
     Existing(RecordRow),
@@ -134,12 +134,14 @@ impl Store {
         // READ COMMITTED re-checks the WHERE on the newest row version after
         // waiting for a concurrent writer, so of concurrent takeovers one wins.
         // A record never expires under a live lease: expires_at >= lease_expires_at.
+        // Every attempt's token is new (see the fencing-token migration), also
+        // when the record expired: its old holder may still be running.
         const SQL: &str = "
             UPDATE idempotency_records AS r SET
                 state = 'in_progress',
                 fingerprint = CASE WHEN r.expires_at <= now() OR r.fingerprint = ''
                                    THEN $5 ELSE r.fingerprint END,
-                fencing_token = CASE WHEN r.expires_at <= now() THEN 1 ELSE r.fencing_token + 1 END,
+                fencing_token = nextval('idempotency_fencing_tokens'),
                 created_at = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END,
                 expires_at = CASE WHEN r.expires_at <= now()
                                   THEN now() + greatest($6::interval, $7::interval)
@@ -248,7 +250,8 @@ async fn insert_or_read(
             INSERT INTO idempotency_records
                 (namespace, operation, subject, key, state, fingerprint, fencing_token,
                  created_at, expires_at, lease_expires_at)
-            SELECT namespace, operation, subject, key, 'in_progress', fingerprint, 1,
+            SELECT namespace, operation, subject, key, 'in_progress', fingerprint,
+                   nextval('idempotency_fencing_tokens'),
                    now(), now() + greatest(ttl, lease), now() + lease
             FROM input
             ORDER BY pos

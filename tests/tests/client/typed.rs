@@ -17,7 +17,7 @@ async fn outcomes_arrive_as_domain_types() {
     let request = request("typed");
 
     let mut lease = proceed(&client, &request).await;
-    assert_eq!(lease.fencing_token(), 1);
+    assert!(lease.fencing_token() > 0);
     assert!(lease.lease_expires_at() < lease.expires_at());
     assert!(matches!(
         client.acquire(&request).await.unwrap(),
@@ -116,11 +116,12 @@ async fn dropping_an_unfinished_lease_releases_the_key() {
     let request = request("dropped");
     let lease = proceed(&client, &request).await;
 
+    let dropped_token = lease.fencing_token();
     drop(lease);
 
     wait_for_state(&client, &request.id, RecordState::Released).await;
     let next = proceed(&client, &request).await;
-    assert_eq!(next.fencing_token(), 2);
+    assert!(next.fencing_token() > dropped_token);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,7 +6,7 @@ use idempotency_tests::{TestDb, TestServer, record_id, response, unique_key};
 use crate::support::*;
 
 #[tokio::test]
-async fn a_new_key_is_acquired_with_token_one_and_a_lease_inside_its_lifetime() {
+async fn a_new_key_is_acquired_with_a_token_and_a_lease_inside_its_lifetime() {
     let db = TestDb::new().await;
     let server = TestServer::start(&db).await;
     let mut client = server.client.clone();
@@ -16,7 +16,7 @@ async fn a_new_key_is_acquired_with_token_one_and_a_lease_inside_its_lifetime() 
     let Outcome::Acquired(acquired) = outcome else {
         panic!("{outcome:?}")
     };
-    assert_eq!(acquired.fencing_token, 1);
+    assert!(acquired.fencing_token > 0);
     let lease = acquired.lease_expires_at.unwrap();
     let expires = acquired.expires_at.unwrap();
     // Defaults: a 60 s lease inside a 24 h lifetime.
@@ -164,11 +164,11 @@ async fn a_takeover_keeps_the_first_fingerprint() {
     let server = TestServer::start(&db).await;
     let mut client = server.client.clone();
     let id = record_id(&unique_key("keep"));
-    token(&acquire_leased(&mut client, &id, b"original", 1).await);
+    let first = token(&acquire_leased(&mut client, &id, b"original", 1).await);
     wait_past(1).await;
 
     // Taking over without a fingerprint does not erase the stored one.
-    assert_eq!(token(&acquire(&mut client, &id, b"").await), 2);
+    assert!(token(&acquire(&mut client, &id, b"").await) > first);
 
     assert_eq!(
         get(&mut client, &id).await.unwrap().fingerprint,

@@ -93,7 +93,7 @@ async fn get_shows_the_whole_record() {
     );
     assert_eq!(held.id.as_ref(), Some(&id));
     assert_eq!(held.fingerprint, b"fingerprint");
-    assert_eq!(held.fencing_token, 1);
+    assert_eq!(held.fencing_token, t);
     assert!(
         held.lease_expires_at.is_some() && held.completed_at.is_none() && held.response.is_none()
     );

@@ -12,23 +12,23 @@ async fn a_crashed_holder_is_taken_over_after_its_lease_and_cannot_complete() {
     let server = TestServer::start(&db).await;
     let mut client = server.client.clone();
     let id = record_id(&unique_key("crash"));
-    assert_eq!(token(&acquire_leased(&mut client, &id, b"fp", 1).await), 1);
+    let crashed = token(&acquire_leased(&mut client, &id, b"fp", 1).await);
     // The holder "crashes": no Complete, no Fail.
     wait_past(1).await;
 
-    let takeover = acquire(&mut client, &id, b"fp").await;
+    let takeover = token(&acquire(&mut client, &id, b"fp").await);
 
-    assert_eq!(token(&takeover), 2);
+    assert!(takeover > crashed, "{takeover} after {crashed}");
     let stale = complete(
         &mut client,
         &id,
-        1,
+        crashed,
         response(201, "from the crashed holder"),
     )
     .await;
     assert_error(stale, Code::Aborted, "STALE_FENCING_TOKEN");
     let current = response(201, "from the new holder");
-    complete(&mut client, &id, 2, current.clone())
+    complete(&mut client, &id, takeover, current.clone())
         .await
         .unwrap();
     let Outcome::Completed(replay) = acquire(&mut client, &id, b"fp").await else {
@@ -39,7 +39,7 @@ async fn a_crashed_holder_is_taken_over_after_its_lease_and_cannot_complete() {
     let late = complete(
         &mut client,
         &id,
-        1,
+        crashed,
         response(201, "from the crashed holder"),
     )
     .await;
@@ -52,10 +52,10 @@ async fn a_lapsed_lease_can_still_complete_while_nobody_took_over() {
     let server = TestServer::start(&db).await;
     let mut client = server.client.clone();
     let id = record_id(&unique_key("late"));
-    token(&acquire_leased(&mut client, &id, b"fp", 1).await);
+    let t = token(&acquire_leased(&mut client, &id, b"fp", 1).await);
     wait_past(1).await;
 
-    complete(&mut client, &id, 1, response(201, "late but alone"))
+    complete(&mut client, &id, t, response(201, "late but alone"))
         .await
         .unwrap();
 
@@ -80,7 +80,11 @@ async fn renew_keeps_a_slow_holder_alive_past_its_first_lease() {
     let mut renewed = None;
     for _ in 0..5 {
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-        renewed = Some(renew(&mut client, &id, 1, 2).await.unwrap());
+        renewed = Some(
+            renew(&mut client, &id, first.fencing_token, 2)
+                .await
+                .unwrap(),
+        );
         assert!(matches!(
             acquire(&mut client, &id, b"fp").await,
             Outcome::InProgress(_)
@@ -95,9 +99,14 @@ async fn renew_keeps_a_slow_holder_alive_past_its_first_lease() {
         get(&mut client, &id).await.unwrap().lease_expires_at,
         renewed.lease_expires_at
     );
-    complete(&mut client, &id, 1, response(201, "slow but sure"))
-        .await
-        .unwrap();
+    complete(
+        &mut client,
+        &id,
+        first.fencing_token,
+        response(201, "slow but sure"),
+    )
+    .await
+    .unwrap();
 }
 
 #[tokio::test]
@@ -106,20 +115,20 @@ async fn renew_is_refused_for_a_stale_token_a_finished_record_and_an_unknown_key
     let server = TestServer::start(&db).await;
     let mut client = server.client.clone();
     let id = record_id(&unique_key("renew"));
-    token(&acquire_leased(&mut client, &id, b"fp", 1).await);
+    let stale = token(&acquire_leased(&mut client, &id, b"fp", 1).await);
     wait_past(1).await;
-    assert_eq!(token(&acquire(&mut client, &id, b"fp").await), 2);
+    let current = token(&acquire(&mut client, &id, b"fp").await);
 
     assert_error(
-        renew(&mut client, &id, 1, 30).await,
+        renew(&mut client, &id, stale, 30).await,
         Code::Aborted,
         "STALE_FENCING_TOKEN",
     );
-    complete(&mut client, &id, 2, response(200, "done"))
+    complete(&mut client, &id, current, response(200, "done"))
         .await
         .unwrap();
     assert_error(
-        renew(&mut client, &id, 2, 30).await,
+        renew(&mut client, &id, current, 30).await,
         Code::FailedPrecondition,
         "NOT_IN_PROGRESS",
     );
@@ -143,9 +152,9 @@ async fn renewing_past_the_lifetime_moves_the_expiry_so_a_live_lease_never_expir
         lease: Some(idempotency_tests::seconds(1)),
         ..Default::default()
     };
-    token(&acquire_request(&mut client, request).await);
+    let t = token(&acquire_request(&mut client, request).await);
 
-    let renewed = renew(&mut client, &id, 1, 10).await.unwrap();
+    let renewed = renew(&mut client, &id, t, 10).await.unwrap();
 
     assert!(renewed.expires_at.unwrap().seconds >= renewed.lease_expires_at.unwrap().seconds);
     wait_past(2).await; // The original lifetime has passed; the lease has not.

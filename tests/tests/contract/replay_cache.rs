@@ -155,7 +155,7 @@ async fn a_cached_record_is_never_replayed_after_it_expires() {
     wait_past(2).await;
 
     // Expired: a new attempt, not the cached replay.
-    assert_eq!(token(&acquire_request(&mut client, request).await), 1);
+    assert!(token(&acquire_request(&mut client, request).await) > t);
 }
 
 #[tokio::test]
@@ -184,6 +184,6 @@ async fn a_purge_reaches_a_replica_that_cached_the_record_within_the_max_age() {
         Outcome::Completed(_)
     ));
     tokio::time::sleep(max_age + Duration::from_millis(200)).await;
-    // ...then the key is free again.
-    assert_eq!(token(&acquire(&mut client, &id, b"fp").await), 1);
+    // ...then the key is free again: a new attempt holds it.
+    token(&acquire(&mut client, &id, b"fp").await);
 }

@@ -41,7 +41,10 @@ async fn the_same_key_under_another_namespace_operation_or_subject_is_independen
     ];
     for other in &others {
         let outcome = acquire(&mut client, other, b"fp").await;
-        assert_eq!(token(&outcome), 1, "{other:?}");
+        assert!(
+            matches!(outcome, Outcome::Acquired(_)),
+            "{other:?}: {outcome:?}"
+        );
     }
 
     // The original is untouched by all of them.

@@ -37,16 +37,76 @@ async fn an_expired_record_acts_as_absent_while_its_row_still_exists() {
     let late = complete(&mut client, &id, t, response(201, "first")).await;
     assert_error(late, Code::NotFound, "RECORD_NOT_FOUND");
 
-    // A fresh start: token 1, and the old fingerprint no longer binds the key.
+    // A fresh start: a new token (never the expired attempt's, whose holder
+    // may still be running), and the old fingerprint no longer binds the key.
     let outcome = acquire(&mut client, &id, b"another request").await;
 
     let Outcome::Acquired(acquired) = outcome else {
         panic!("{outcome:?}")
     };
-    assert_eq!(acquired.fencing_token, 1);
+    assert!(
+        acquired.fencing_token > t,
+        "{} after {t}",
+        acquired.fencing_token
+    );
     let record = get(&mut client, &id).await.unwrap();
     assert_eq!(record.state(), pb::RecordState::InProgress);
     assert_eq!(record.fingerprint, b"another request");
     assert_eq!(record.response, None);
     assert_eq!(db.row_count().await, 1);
+}
+
+/// A holder that overran its lease on a record whose TTL was no longer than
+/// the lease: the record expired with the lease, and the next Acquire started
+/// a new lifetime. The old holder must still be refused, whether the expired
+/// row was taken over (`purged: false`) or deleted first (`purged: true`).
+async fn a_holder_that_outlived_its_record(purged: bool) {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let mut client = server.client.clone();
+    let id = record_id(&unique_key("outlived"));
+    let leased = |lease| pb::AcquireRequest {
+        id: Some(id.clone()),
+        fingerprint: b"fp".to_vec(),
+        ttl: Some(seconds(1)),
+        lease: Some(seconds(lease)),
+    };
+    let stale = token(&acquire_request(&mut client, leased(2)).await);
+    wait_past(2).await;
+    if purged {
+        run_admin(
+            &db,
+            idempotency_server::settings::AdminCommand::Purge(id_args(&id)),
+            false,
+        )
+        .await
+        .unwrap();
+    }
+    let current = token(&acquire_request(&mut client, leased(60)).await);
+    assert_ne!(
+        current, stale,
+        "the next attempt got the stale holder's token"
+    );
+
+    let late = complete(&mut client, &id, stale, response(201, "stale"));
+    assert_error(late.await, Code::Aborted, "STALE_FENCING_TOKEN");
+    let late = renew(&mut client, &id, stale, 60);
+    assert_error(late.await, Code::Aborted, "STALE_FENCING_TOKEN");
+    let late = fail(&mut client, &id, stale, true, None);
+    assert_error(late.await, Code::Aborted, "STALE_FENCING_TOKEN");
+    complete(&mut client, &id, current, response(201, "current"))
+        .await
+        .unwrap();
+    let record = get(&mut client, &id).await.unwrap();
+    assert_eq!(record.response, Some(response(201, "current")));
+}
+
+#[tokio::test]
+async fn a_holder_that_outlived_its_record_is_refused_after_a_takeover_of_the_row() {
+    a_holder_that_outlived_its_record(false).await;
+}
+
+#[tokio::test]
+async fn a_holder_that_outlived_its_record_is_refused_after_the_row_was_deleted() {
+    a_holder_that_outlived_its_record(true).await;
 }
