@@ -3,11 +3,12 @@
 //! (`BatchComplete`) call. Each call still gets its own answer or error.
 //!
 //! There is no timed window. A call that finds fewer than `max_in_flight`
-//! requests of its kind on the wire leads the next one: it lets the scheduler
-//! run once (so calls that are ready to run, typically those woken by the
-//! same reply, join it) and sends what has queued, alone as the unary RPC if
-//! nothing joined. A lightly loaded caller pays one scheduler turn,
-//! microseconds. Calls made while `max_in_flight` are on the wire queue up;
+//! requests of its kind on the wire leads the next one: a task it starts lets
+//! the scheduler run once (so calls that are ready to run, typically those
+//! woken by the same reply, join it) and sends what has queued, alone as the
+//! unary RPC if nothing joined. A lightly loaded caller pays a task and one
+//! scheduler turn, microseconds. The caller's own future only waits for its
+//! answer, so a caller that stops polling holds up nobody else. Calls made while `max_in_flight` are on the wire queue up;
 //! whichever request finishes first sends everything queued (up to
 //! `max_items`) as one batch. Under load this turns many small
 //! HTTP/2 messages into few large ones, and the server puts a batch's items
@@ -82,8 +83,6 @@ enum Reply<T> {
 type ReplySender<R> = tokio::sync::oneshot::Sender<Reply<<R as BatchRpc>::Response>>;
 
 struct Queued<R: BatchRpc> {
-    /// Tells a call's own entry from others' (see `call`).
-    id: u64,
     request: R,
     bytes: usize,
     /// The caller's deadline, counted from when it queued: the batch carries
@@ -97,7 +96,6 @@ struct State<R: BatchRpc> {
     in_flight: usize,
     /// A call holds a slot and lets others queue before it sends them.
     gathering: bool,
-    next_id: u64,
 }
 
 /// The batcher of one kind of call.
@@ -138,7 +136,6 @@ impl<R: BatchRpc + Send> Batcher<R> {
                 queue: Vec::new(),
                 in_flight: 0,
                 gathering: false,
-                next_id: 0,
             }),
             unsupported: AtomicBool::new(false),
         })
@@ -152,12 +149,9 @@ impl<R: BatchRpc + Send> Batcher<R> {
         }
         let deadline = Instant::now() + self.timeout;
         let (reply, answer) = tokio::sync::oneshot::channel();
-        let (id, leads) = {
+        let leads = {
             let mut state = self.state.lock().expect("batcher lock");
-            let id = state.next_id;
-            state.next_id = state.next_id.wrapping_add(1);
             state.queue.push(Queued {
-                id,
                 request: request.clone(),
                 bytes,
                 deadline,
@@ -170,30 +164,23 @@ impl<R: BatchRpc + Send> Batcher<R> {
                 state.in_flight += 1;
                 state.gathering = true;
             }
-            (id, leads)
+            leads
         };
         if leads {
+            // A task of its own gathers and sends the batch, never this
+            // caller's future: other calls queue behind the batch, and must
+            // not wait for a caller that stopped polling (a future parked in
+            // a `select!` loop or an undriven `FuturesUnordered`) or went away.
             let slot = Slot(self.clone());
-            // One turn of the scheduler before sending: calls that are ready
-            // to run (typically the callers woken by the same reply) join
-            // this batch instead of each taking a slot alone. A lone caller
-            // loses microseconds. What queues after this waits for a slot.
-            tokio::task::yield_now().await;
-            let batch = self.take_batch();
-            if let [own] = batch.as_slice()
-                && own.id == id
-            {
-                // Alone: if this caller goes away, only its own call goes.
-                self.send(batch).await;
-            } else if !batch.is_empty() {
-                // Others' calls must not depend on this caller staying, so a
-                // task of its own sends them and keeps the slot for whatever
-                // queues meanwhile.
-                tokio::spawn(async move {
-                    slot.0.send(batch).await;
-                    drop(slot);
-                });
-            }
+            tokio::spawn(async move {
+                // One turn of the scheduler before sending: calls that are
+                // ready to run (typically the callers woken by the same reply)
+                // join this batch instead of each taking a slot alone. A lone
+                // caller loses microseconds. What queues after this waits for
+                // a slot; this one, once free, sends it.
+                tokio::task::yield_now().await;
+                slot.0.clone().drain_with(slot).await;
+            });
         }
         match answer.await {
             Ok(Reply::Answer(result)) => result,
@@ -273,10 +260,18 @@ impl<R: BatchRpc + Send> Batcher<R> {
             .max(Duration::from_millis(1));
         if batch.len() == 1
             && !self.unsupported.load(Ordering::Relaxed)
-            && let Some(Queued { request, reply, .. }) = batch.pop()
+            && let Some(Queued {
+                request, mut reply, ..
+            }) = batch.pop()
         {
-            let result = R::unary(self.stub.clone(), request, timeout).await;
-            let _ = reply.send(Reply::Answer(result));
+            // Alone: if its caller goes away, the call is cancelled, and the
+            // slot goes on to the calls queued behind it.
+            tokio::select! {
+                result = R::unary(self.stub.clone(), request, timeout) => {
+                    let _ = reply.send(Reply::Answer(result));
+                }
+                () = reply.closed() => {}
+            }
             return;
         }
         let (requests, replies): (Vec<R>, Vec<_>) = batch

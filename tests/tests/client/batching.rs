@@ -235,10 +235,11 @@ async fn a_cancelled_call_hands_its_place_to_the_calls_queued_behind_it() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(followers.iter().all(|follower| !follower.is_finished()));
 
-    // The first caller gives up: the queued calls go on without it.
+    // The first caller gives up: the queued calls go on without it, at once
+    // (well before the server's 5 s statement timeout would end the stuck one).
     leader.abort();
     for follower in followers {
-        tokio::time::timeout(Duration::from_secs(5), follower)
+        tokio::time::timeout(Duration::from_secs(3), follower)
             .await
             .expect("queued calls were sent after the first was cancelled")
             .unwrap()
@@ -490,4 +491,31 @@ fn a_client_outliving_a_runtime_keeps_working() {
             .unwrap();
         drop(server);
     });
+}
+
+#[tokio::test]
+async fn a_caller_that_stops_polling_does_not_hold_up_the_calls_behind_it() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let client = batching_client(server.addr);
+    proceed(&client, &request("parked-warm-up")).await;
+
+    // Polled once, so it leads the next batch, then left alone: as a future
+    // in a `select!` loop, or in a `FuturesUnordered` nobody drives.
+    let parked_request = request("parked");
+    let mut parked = Box::pin(client.acquire(&parked_request));
+    let pending =
+        std::future::poll_fn(|cx| std::task::Poll::Ready(parked.as_mut().poll(cx).is_pending()))
+            .await;
+    assert!(pending);
+
+    let other = tokio::time::timeout(Duration::from_secs(5), client.acquire(&request("other")))
+        .await
+        .expect("a call behind a parked one went ahead");
+    assert!(matches!(other, Ok(Acquisition::Proceed(_))), "{other:?}");
+    // The parked call was sent all the same; its answer waited for it.
+    let parked = tokio::time::timeout(Duration::from_secs(5), parked)
+        .await
+        .unwrap();
+    assert!(matches!(parked, Ok(Acquisition::Proceed(_))), "{parked:?}");
 }
