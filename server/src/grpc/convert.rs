@@ -37,12 +37,19 @@ pub fn acquire_request(request: pb::AcquireRequest) -> Result<AcquireRequest, In
     })
 }
 
-/// Tokens start at 1: 0 is the protobuf default of a field left unset.
+/// Tokens start at 1: 0 is the protobuf default of a field left unset. They
+/// are stored as `bigint`, so no token Acquire returned is above `i64::MAX`.
 pub fn fencing_token(token: u64) -> Result<u64, InvalidField> {
     if token == 0 {
         return Err(InvalidField::new(
             "fencing_token",
             "is required: the token Acquire returned (1 or more)",
+        ));
+    }
+    if i64::try_from(token).is_err() {
+        return Err(InvalidField::new(
+            "fencing_token",
+            format!("is not a token Acquire returned (at most {})", i64::MAX),
         ));
     }
     Ok(token)

@@ -257,6 +257,19 @@ async fn invalid_ids_and_fields_on_the_other_rpcs_are_named_too() {
     assert_invalid(renew(&mut client, &id, t, 0).await, "lease");
     assert_invalid(renew(&mut client, &id, t, 3601).await, "lease");
     assert_invalid(get(&mut client, &bad_id).await, "id.key");
+    // 0 is a token left unset; above i64::MAX, one no Acquire returns.
+    for bad_token in [0, u64::MAX] {
+        assert_invalid(
+            complete(&mut client, &id, bad_token, response(201, "x")).await,
+            "fencing_token",
+        );
+        let failed = fail(&mut client, &id, bad_token, false, None).await;
+        assert_invalid(failed, "fencing_token");
+        assert_invalid(
+            renew(&mut client, &id, bad_token, 10).await,
+            "fencing_token",
+        );
+    }
     assert_eq!(
         get(&mut client, &id).await.unwrap().state(),
         pb::RecordState::InProgress
