@@ -80,8 +80,7 @@ impl Lease {
         &self.id
     }
 
-    /// This attempt's token: no other attempt ever gets it, and later
-    /// attempts on the key get larger ones.
+    /// This attempt's token: later attempts on the key get larger ones.
     pub fn fencing_token(&self) -> u64 {
         self.fencing_token
     }

@@ -134,14 +134,16 @@ impl Store {
         // READ COMMITTED re-checks the WHERE on the newest row version after
         // waiting for a concurrent writer, so of concurrent takeovers one wins.
         // A record never expires under a live lease: expires_at >= lease_expires_at.
-        // Every attempt's token is new (see the fencing-token migration), also
-        // when the record expired: its old holder may still be running.
+        // An expired record starts a new lifetime with a token larger than any
+        // of the old one's (see the migration defining the function): its old
+        // holder may still be running.
         const SQL: &str = "
             UPDATE idempotency_records AS r SET
                 state = 'in_progress',
                 fingerprint = CASE WHEN r.expires_at <= now() OR r.fingerprint = ''
                                    THEN $5 ELSE r.fingerprint END,
-                fencing_token = nextval('idempotency_fencing_tokens'),
+                fencing_token = CASE WHEN r.expires_at <= now() THEN idempotency_lifetime_token()
+                                     ELSE r.fencing_token + 1 END,
                 created_at = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END,
                 expires_at = CASE WHEN r.expires_at <= now()
                                   THEN now() + greatest($6::interval, $7::interval)
@@ -251,7 +253,7 @@ async fn insert_or_read(
                 (namespace, operation, subject, key, state, fingerprint, fencing_token,
                  created_at, expires_at, lease_expires_at)
             SELECT namespace, operation, subject, key, 'in_progress', fingerprint,
-                   nextval('idempotency_fencing_tokens'),
+                   idempotency_lifetime_token(),
                    now(), now() + greatest(ttl, lease), now() + lease
             FROM input
             ORDER BY pos
