@@ -118,6 +118,9 @@ impl Lease {
     /// lease is completed, failed or dropped, for at most [`MAX_KEEP_ALIVE`]
     /// (so a hung operation cannot hold its key forever). `every` is clamped
     /// below `lease` (to a third of it) so one missed renewal does not lose it.
+    /// The first renewal comes within a third of what is left of the lease held
+    /// now, which may be shorter than `lease` (this machine's clock against the
+    /// database's: a skew under two thirds of that is harmless).
     /// Renewal stops, and [`Lease::is_lost`] turns true, when the service
     /// answers that the lease is gone or refuses the renewal outright.
     pub fn keep_alive(&mut self, every: Duration, lease: Duration) {
@@ -127,13 +130,18 @@ impl Lease {
         } else {
             every
         };
+        let held = self
+            .lease_expires_at
+            .duration_since(SystemTime::now())
+            .unwrap_or_default();
+        let first = every.min(held / 3);
         let client = self.client.clone();
         let id = self.id.clone();
         let token = self.fencing_token;
         let lost = self.lost.clone();
         self.keep_alive = Some(tokio::spawn(async move {
             let started = tokio::time::Instant::now();
-            let mut ticker = tokio::time::interval_at(started + every, every);
+            let mut ticker = tokio::time::interval_at(started + first, every);
             ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 ticker.tick().await;

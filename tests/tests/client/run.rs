@@ -324,3 +324,46 @@ async fn a_fingerprint_mismatch_is_its_own_error() {
         "{result:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keep_alive_renews_before_a_lease_shorter_than_its_interval_passes() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let client = client_of(&server);
+    let mut request = request("keep-alive-short-lease");
+    // Held for 1 s, renewed to 10 s every 2 s: the first renewal must not
+    // wait the 2 s, or the key is free to take over after 1 s.
+    request.lease = Some(Duration::from_secs(1));
+    let options = Options::default().keep_alive(Duration::from_secs(2), Duration::from_secs(10));
+    let runs = Arc::new(AtomicU32::new(0));
+    let first = tokio::spawn({
+        let (client, request, options, runs) = (
+            client.clone(),
+            request.clone(),
+            options.clone(),
+            runs.clone(),
+        );
+        async move {
+            client
+                .run(&request, &options, |_| async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(2500)).await;
+                    Ok::<_, String>(StoredResponse::new(201, "first"))
+                })
+                .await
+        }
+    });
+
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let second = client
+        .run(&request, &options, |_| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, String>(StoredResponse::new(201, "second")) }
+        })
+        .await;
+
+    assert!(second.is_err(), "{second:?}");
+    let first = first.await.unwrap();
+    assert!(matches!(first, Ok(Ran::Executed(_))), "{first:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
