@@ -8,7 +8,7 @@ use sqlx::PgPool;
 
 use crate::{
     metrics::{
-        DB_POOL_CONNECTIONS, DB_POOL_MAX_CONNECTIONS, REAPER_BACKLOG_SECONDS, REAPER_DELETED_TOTAL,
+        DB_POOL_CONNECTIONS, DB_POOL_MAX_CONNECTIONS, REAPER_BACKLOG_SECONDS,
         REAPER_DURATION_SECONDS, REAPER_LAST_SUCCESS_TIMESTAMP_SECONDS, REAPER_RUNS_TOTAL, RECORDS,
         TABLE_BYTES,
     },
@@ -45,7 +45,6 @@ pub async fn reap(pool: &PgPool, limits: &ReapLimits) -> StoreResult<ReapReport>
         Ok(ReapReport::Reaped { deleted, batches }) => {
             let elapsed = started.elapsed();
             metrics::counter!(REAPER_RUNS_TOTAL, "result" => "success").increment(1);
-            metrics::counter!(REAPER_DELETED_TOTAL).increment(*deleted);
             metrics::histogram!(REAPER_DURATION_SECONDS).record(elapsed.as_secs_f64());
             let now = SystemTime::now()
                 .duration_since(UNIX_EPOCH)

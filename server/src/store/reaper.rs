@@ -7,7 +7,7 @@ use std::time::Duration;
 use sqlx::{Connection, PgConnection, PgPool};
 
 use super::{StoreError, StoreResult};
-use crate::metrics::QueryTimer;
+use crate::metrics::{QueryTimer, REAPER_DELETED_TOTAL};
 
 /// Session advisory lock that makes one replica the reaper; the others skip.
 /// The number is arbitrary but fixed: every version of the service must agree.
@@ -94,6 +94,9 @@ async fn delete_batches(
                 .map_err(StoreError::from)?
                 .rows_affected()
         };
+        // Counted per batch, so rows deleted before a later batch fails (a
+        // statement timeout, a lost connection) still show as deleted.
+        metrics::counter!(REAPER_DELETED_TOTAL).increment(rows);
         deleted += rows;
         batches += 1;
         if rows < this_batch as u64 {

@@ -139,3 +139,45 @@ async fn a_cut_short_run_releases_its_lock() {
     assert!(matches!(next, ReapReport::Reaped { .. }), "{next:?}");
     assert_eq!(count(&db, "expired").await, 0);
 }
+
+#[tokio::test]
+async fn rows_deleted_before_a_run_fails_are_still_counted() {
+    let db = TestDb::new().await;
+    insert_records(&db.pool, "expired", 3000, 60).await;
+    let metrics = telemetry::metrics_handle();
+    let before = metrics.render();
+    let slow = ReapLimits {
+        batch_pause: Duration::from_secs(2),
+        ..limits(1000)
+    };
+    let run = tokio::spawn({
+        let pool = db.pool.clone();
+        async move { maintenance::reap(&pool, &slow).await }
+    });
+    while count(&db, "expired").await > 2000 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // The first batch is done; the run's session ends during the pause, so
+    // its next batch fails.
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_locks
+         WHERE locktype = 'advisory' AND pid <> pg_backend_pid()
+           AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let failed = run.await.unwrap();
+
+    assert!(failed.is_err(), "{failed:?}");
+    let after = metrics.render();
+    let delta = |series: &str| {
+        metric_value(&after, series).unwrap_or(0.0) - metric_value(&before, series).unwrap_or(0.0)
+    };
+    assert_eq!(delta("idempotency_reaper_deleted_total"), 1000.0);
+    assert_eq!(
+        delta(r#"idempotency_reaper_runs_total{result="error"}"#),
+        1.0
+    );
+}
