@@ -210,7 +210,7 @@ impl Application {
         reporter
             .set_service_status(health::LIVENESS, ServingStatus::Serving)
             .await;
-        let watcher = tokio::spawn(health::watch_database(
+        let mut watcher = tokio::spawn(health::watch_database(
             store.clone(),
             reporter.clone(),
             config.health_check_interval,
@@ -267,7 +267,10 @@ impl Application {
         let result = tokio::select! {
             result = &mut server => result.map_err(StartupError::from),
             () = &mut shutdown => {
+                // Wait for the watcher to stop: one running on another thread
+                // could otherwise report SERVING after the NOT_SERVING below.
                 watcher.abort();
+                let _ = (&mut watcher).await;
                 health::set(&reporter, ServingStatus::NotServing).await;
                 let _ = stop_tx.send(());
                 match tokio::time::timeout(config.drain_timeout, &mut server).await {
