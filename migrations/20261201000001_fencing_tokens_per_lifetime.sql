@@ -1,6 +1,9 @@
 -- The fencing token that starts a record's lifetime (a new record, or the
 -- takeover of an expired one): the database clock in microseconds, times 1024.
--- Takeovers within the lifetime add one, as before.
+-- Takeovers within the lifetime add one, as before. The clock is read when the
+-- row is written (clock_timestamp()), not when the statement began (now()): a
+-- batched Acquire may wait seconds on another key's insert before it writes
+-- this key, and meanwhile a whole lifetime of this key may begin and be purged.
 --
 -- Tokens used to start again at 1 with every lifetime. A holder that overran
 -- its lease on a record whose TTL was no longer than the lease (so the record
@@ -23,5 +26,5 @@
 -- tokens; once no older server runs (they still start lifetimes at 1 during a
 -- rolling upgrade), every new lifetime starts above them.
 CREATE FUNCTION idempotency_lifetime_token() RETURNS bigint
-    LANGUAGE sql STABLE PARALLEL SAFE
-    AS $$ SELECT floor(extract(epoch FROM now()) * 1000000)::bigint * 1024 $$;
+    LANGUAGE sql VOLATILE PARALLEL SAFE
+    AS $$ SELECT floor(extract(epoch FROM clock_timestamp()) * 1000000)::bigint * 1024 $$;

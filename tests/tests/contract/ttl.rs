@@ -110,3 +110,26 @@ async fn a_holder_that_outlived_its_record_is_refused_after_a_takeover_of_the_ro
 async fn a_holder_that_outlived_its_record_is_refused_after_the_row_was_deleted() {
     a_holder_that_outlived_its_record(true).await;
 }
+
+/// A lifetime's first token is read off the clock when its row is written, not
+/// when the statement began: a batched Acquire can wait seconds on another
+/// key's insert before it writes this key, while a whole lifetime of this key
+/// begins and is purged. (The insert computes it per row, above its sort, as
+/// `EXPLAIN VERBOSE` shows.)
+#[tokio::test]
+async fn a_lifetime_token_is_taken_when_the_row_is_written() {
+    let db = TestDb::new().await;
+    let mut transaction = db.pool.begin().await.unwrap();
+    let mut token = async || -> i64 {
+        sqlx::query_scalar("SELECT idempotency_lifetime_token()")
+            .fetch_one(&mut *transaction)
+            .await
+            .unwrap()
+    };
+
+    let first = token().await;
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    let second = token().await;
+
+    assert!(second > first, "{second} after {first}, in one transaction");
+}
