@@ -117,7 +117,8 @@ impl Lease {
     /// Renews the lease to `lease` every `every` in the background until the
     /// lease is completed, failed or dropped, for at most [`MAX_KEEP_ALIVE`]
     /// (so a hung operation cannot hold its key forever). `every` is clamped
-    /// below `lease` (to a third of it) so one missed renewal does not lose it.
+    /// to at most a third of `lease` (zero means a third), so one or two
+    /// missed renewals do not lose it.
     /// The first renewal comes within a third of what is left of the lease held
     /// now, which may be shorter than `lease` (this machine's clock against the
     /// database's: a skew under two thirds of that is harmless).
@@ -125,11 +126,13 @@ impl Lease {
     /// answers that the lease is gone or refuses the renewal outright.
     pub fn keep_alive(&mut self, every: Duration, lease: Duration) {
         self.stop_keep_alive();
-        let every = if every.is_zero() || every >= lease {
-            (lease / 3).max(Duration::from_millis(10))
+        let third = lease / 3;
+        let every = if every.is_zero() {
+            third
         } else {
-            every
-        };
+            every.min(third)
+        }
+        .max(Duration::from_millis(10));
         let held = self
             .lease_expires_at
             .duration_since(SystemTime::now())

@@ -92,7 +92,8 @@ impl<E> RunOptions<E> {
         self
     }
 
-    /// Renew the lease to `lease` every `every` while the logic runs.
+    /// Renew the lease to `lease` every `every` (at most a third of `lease`)
+    /// while the logic runs; see [`crate::Lease::keep_alive`].
     pub fn keep_alive(mut self, every: Duration, lease: Duration) -> Self {
         self.keep_alive = Some((every, lease));
         self

@@ -109,6 +109,43 @@ async fn keep_alive_renews_a_slow_holder_until_it_completes() {
 }
 
 #[tokio::test]
+async fn keep_alive_renews_at_least_three_times_a_lease() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let client = client_of(&server);
+    let request = request("keepalive-often").with_lease(Duration::from_secs(3));
+    let mut lease = proceed(&client, &request).await;
+    let acquired_until = lease.lease_expires_at();
+
+    // Asked to renew every 2.7 s, which a single missed renewal would turn
+    // into a lost 3 s lease: the renewals come every second instead. The
+    // first comes after 1 s; by 2.9 s a second one must have moved the lease.
+    lease.keep_alive(Duration::from_millis(2700), Duration::from_secs(3));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let after_first = lease_end(&client, &request).await;
+    assert!(after_first > acquired_until, "no renewal within 1.5 s");
+    tokio::time::sleep(Duration::from_millis(1400)).await;
+    let after_second = lease_end(&client, &request).await;
+    assert!(
+        after_second > after_first,
+        "one renewal in 2.9 s: {after_first:?} then {after_second:?}"
+    );
+
+    lease
+        .complete(&StoredResponse::new(200, "done"))
+        .await
+        .unwrap();
+}
+
+async fn lease_end(
+    client: &idempotency_client::Client,
+    request: &idempotency_client::AcquireRequest,
+) -> std::time::SystemTime {
+    let record = client.get(&request.id).await.unwrap().expect("the record");
+    record.lease_expires_at.expect("in progress")
+}
+
+#[tokio::test]
 async fn dropping_an_unfinished_lease_releases_the_key() {
     let db = TestDb::new().await;
     let server = TestServer::start(&db).await;
