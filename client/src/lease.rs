@@ -115,7 +115,7 @@ impl Lease {
     }
 
     /// Renews the lease to `lease` every `every` in the background until the
-    /// lease is completed, failed or dropped, for at most [`MAX_KEEP_ALIVE`]
+    /// lease is completed, failed or dropped, for at most an hour
     /// (so a hung operation cannot hold its key forever). `every` is clamped
     /// to at most a third of `lease` (zero means a third), so one or two
     /// missed renewals do not lose it.
