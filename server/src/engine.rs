@@ -98,7 +98,16 @@ impl Engine {
             // One round trip: a new key is created, an existing one read.
             let sent = std::time::Instant::now();
             let row = match self.store.insert_or_read(input.clone()).await? {
-                AcquireAttempt::Inserted(row) => return Ok(acquired(row)),
+                AcquireAttempt::Inserted(row) if still_fresh(&input, sent) => {
+                    return Ok(acquired(row));
+                }
+                AcquireAttempt::Inserted(row) => {
+                    match Box::pin(self.renewed(&input, row, sent)).await? {
+                        Some(row) => return Ok(acquired(row)),
+                        // The lease passed and another caller took the key over.
+                        None => continue,
+                    }
+                }
                 AcquireAttempt::Existing(row) => row,
                 AcquireAttempt::Raced => continue,
             };
@@ -134,12 +143,45 @@ impl Engine {
             // Boxed, like every rare statement here: a future holds room for
             // each of its awaits, and the common path's futures are moved
             // about per item of every batch RPC.
+            let sent = std::time::Instant::now();
             if let Some(row) = Box::pin(self.store.take_over(&input)).await? {
-                return Ok(acquired(row));
+                if still_fresh(&input, sent) {
+                    return Ok(acquired(row));
+                }
+                if let Some(row) = Box::pin(self.renewed(&input, row, sent)).await? {
+                    return Ok(acquired(row));
+                }
             }
             // Someone else took it over, or it changed: look again.
         }
         Err(settle_failure("acquire"))
+    }
+
+    /// Renews a lease that a slow statement wrote (see [`still_fresh`]) under
+    /// the token just written; `None` when that token no longer holds the record.
+    async fn renewed(
+        &self,
+        input: &AcquireInput,
+        mut row: AcquiredRow,
+        sent: std::time::Instant,
+    ) -> Result<Option<AcquiredRow>, Error> {
+        let took = sent.elapsed();
+        tracing::warn!(
+            key = %input.id.key(),
+            took_ms = took.as_millis() as u64,
+            lease_ms = input.lease.as_millis() as u64,
+            "an Acquire's statement took half its lease or more; renewing before answering"
+        );
+        let renewed = Box::pin(
+            self.store
+                .renew(&input.id, row.fencing_token(), input.lease),
+        )
+        .await?;
+        Ok(renewed.map(|(lease_expires_at, expires_at)| {
+            row.lease_expires_at = lease_expires_at;
+            row.expires_at = expires_at;
+            row
+        }))
     }
 
     pub async fn complete(
@@ -299,6 +341,15 @@ impl Engine {
         }
         Ok(row)
     }
+}
+
+/// A lease a statement wrote is counted from the statement's start. One that
+/// took long (a batched insert waits for any of its keys another transaction
+/// is writing; a commit can stall) may answer with a lease that has passed,
+/// or nearly, and the key is then free to take over while this caller runs.
+/// Fresh while under half the lease has gone since the statement was sent.
+fn still_fresh(input: &AcquireInput, sent: std::time::Instant) -> bool {
+    sent.elapsed() < input.lease / 2
 }
 
 fn acquired(row: AcquiredRow) -> AcquireOutcome {

@@ -325,3 +325,79 @@ async fn concurrent_batches_over_the_same_keys_give_exactly_one_holder_per_key()
         assert_eq!(record.fencing_token, tokens[0]);
     }
 }
+
+/// A test transaction's uncommitted write of `key`'s row: an insert of that
+/// key waits for it to end (a row lock alone would not make it wait).
+async fn hold_write(db: &TestDb, key: &str) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut writer = db.pool.begin().await.unwrap();
+    sqlx::query("UPDATE idempotency_records SET fencing_token = fencing_token WHERE key = $1")
+        .bind(key)
+        .execute(&mut *writer)
+        .await
+        .unwrap();
+    writer
+}
+
+/// A batched insert counts a new key's lease from the statement's start, and
+/// may then wait for another of its keys. Answering with a lease that has
+/// already passed would let a second caller take the key over at once, and
+/// both would run the business logic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batched_acquire_that_waited_past_its_lease_is_answered_with_a_live_one() {
+    let db = TestDb::new().await;
+    // One statement at a time, so the calls queued behind a stuck one share
+    // the next statement.
+    let config = ServerConfig {
+        batching: Some(idempotency_server::store::batch::BatchSettings {
+            workers: 1,
+            ..Default::default()
+        }),
+        ..test_config()
+    };
+    let server = TestServer::start_config(&db, config).await;
+    let mut client = server.client.clone();
+    let first_blocked = record_id(&unique_key("batch-blocked-first"));
+    let blocked = record_id(&unique_key("batch-blocked"));
+    let fresh = record_id(&unique_key("batch-fresh-leased"));
+    acquire(&mut client, &first_blocked, b"fp").await;
+    acquire(&mut client, &blocked, b"fp").await;
+
+    let first_writer = hold_write(&db, &first_blocked.key).await;
+    let writer = hold_write(&db, &blocked.key).await;
+    let stuck = tokio::spawn({
+        let (mut client, id) = (client.clone(), first_blocked.clone());
+        async move { acquire(&mut client, &id, b"fp").await }
+    });
+    idempotency_tests::wait_for_lock_wait(&db).await;
+    let fresh_request = pb::AcquireRequest {
+        lease: Some(idempotency_tests::seconds(1)),
+        ..acquire_item(&fresh, b"fp")
+    };
+    let batch = tokio::spawn({
+        let mut client = client.clone();
+        let requests = vec![fresh_request.clone(), acquire_item(&blocked, b"fp")];
+        async move { batch_acquire(&mut client, requests).await }
+    });
+    // Both items queue behind the stuck statement, then run in one that
+    // inserts `fresh` and waits for `blocked` longer than `fresh`'s lease.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    first_writer.rollback().await.unwrap();
+    stuck.await.unwrap();
+    idempotency_tests::wait_for_lock_wait(&db).await;
+    tokio::time::sleep(std::time::Duration::from_millis(1300)).await;
+    assert!(!batch.is_finished(), "the batch did not wait for `blocked`");
+    writer.rollback().await.unwrap();
+
+    let results = batch.await.unwrap();
+    let holder_token = token(results[0].as_ref().unwrap());
+    assert!(matches!(
+        results[1].as_ref().unwrap(),
+        Outcome::InProgress(_)
+    ));
+    // A second caller right after finds the key held, not free to take over.
+    let second = acquire_request(&mut client, fresh_request).await;
+    assert!(matches!(second, Outcome::InProgress(_)), "{second:?}");
+    complete(&mut client, &fresh, holder_token, response(201, "{}"))
+        .await
+        .expect("the holder's token still holds the record");
+}
