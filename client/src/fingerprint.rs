@@ -4,8 +4,15 @@
 //!
 //! JSON is canonicalized per RFC 8785 (JCS): object keys sorted by UTF-16
 //! code units, no insignificant whitespace, numbers in their shortest
-//! ECMAScript form. Volatile fields (trace ids, client timestamps) are left
-//! out by JSON Pointer (RFC 6901), e.g. `/meta/trace_id`.
+//! ECMAScript form. One departure: JCS writes every number as a double, so
+//! two integers beyond 2^53 that differ only in their low digits (account
+//! or snowflake ids) would share a fingerprint, and a retry carrying the
+//! other id would be answered with the first request's response. A document
+//! holding such an integer is written with its integers exact instead.
+//! Integers beyond 64 bits and decimals finer than a double are still read
+//! as doubles: send such values as strings. Volatile fields (trace ids,
+//! client timestamps) are left out by JSON Pointer (RFC 6901), e.g.
+//! `/meta/trace_id`.
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -68,8 +75,72 @@ fn canonical_pruned<S: AsRef<str>>(
 }
 
 fn canonical(value: &Value) -> Result<String, FingerprintError> {
+    if !holds_inexact_integer(value) {
+        return jcs(value);
+    }
+    let mut out = String::new();
+    write_exact(value, &mut out)?;
+    Ok(out)
+}
+
+fn jcs(value: &Value) -> Result<String, FingerprintError> {
     serde_json_canonicalizer::to_string(value)
         .map_err(|error| FingerprintError::Canonicalization(error.to_string()))
+}
+
+/// Largest integer a double holds exactly, with every integer below it.
+const EXACT_IN_A_DOUBLE: u64 = 1 << 53;
+
+/// Whether `value` holds an integer that JCS, writing it as a double, could
+/// confuse with another.
+fn holds_inexact_integer(value: &Value) -> bool {
+    match value {
+        Value::Number(number) => {
+            number.as_u64().is_some_and(|n| n > EXACT_IN_A_DOUBLE)
+                || number
+                    .as_i64()
+                    .is_some_and(|n| n.unsigned_abs() > EXACT_IN_A_DOUBLE)
+        }
+        Value::Array(items) => items.iter().any(holds_inexact_integer),
+        Value::Object(object) => object.values().any(holds_inexact_integer),
+        Value::Null | Value::Bool(_) | Value::String(_) => false,
+    }
+}
+
+/// JCS, but integers written exactly: keys sorted by UTF-16 code units as
+/// JCS sorts them, every other leaf as JCS writes it.
+fn write_exact(value: &Value, out: &mut String) -> Result<(), FingerprintError> {
+    match value {
+        Value::Object(object) => {
+            let mut entries: Vec<(&String, &Value)> = object.iter().collect();
+            entries.sort_by(|(a, _), (b, _)| a.encode_utf16().cmp(b.encode_utf16()));
+            out.push('{');
+            for (i, (key, item)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&jcs(&Value::String(key.clone()))?);
+                out.push(':');
+                write_exact(item, out)?;
+            }
+            out.push('}');
+        }
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_exact(item, out)?;
+            }
+            out.push(']');
+        }
+        Value::Number(number) if number.is_u64() || number.is_i64() => {
+            out.push_str(&number.to_string());
+        }
+        leaf => out.push_str(&jcs(leaf)?),
+    }
+    Ok(())
 }
 
 /// Whether `pointer` is a JSON Pointer (RFC 6901): empty, or starting with `/`.
@@ -104,4 +175,25 @@ fn remove_pointer(value: &mut Value, pointer: &str) -> Result<(), FingerprintErr
         _ => {}
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The exact writer departs from JCS only in big integers.
+    #[test]
+    fn the_exact_writer_agrees_with_jcs_below_big_integers() {
+        for text in [
+            r#"{"numbers":[333333333.33333329,1E30,4.50,2e-3,1e-27,-0.0,12],"literals":[null,true,false]}"#,
+            r#"{"\u20ac":1,"\r":2,"\ufb33":3,"1":4,"\ud83d\ude00":5,"\u0080":6,"\u00f6":7}"#,
+            r#"{"string":"\u20ac$\u000F\u000aA'\u0042\u0022\u005c\\\"\/","nested":{"b":[],"a":{}}}"#,
+            r#"[-9007199254740992, 9007199254740992, 0, -1]"#,
+        ] {
+            let value: Value = serde_json::from_str(text).unwrap();
+            let mut exact = String::new();
+            write_exact(&value, &mut exact).unwrap();
+            assert_eq!(exact, jcs(&value).unwrap(), "{text}");
+        }
+    }
 }

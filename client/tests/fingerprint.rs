@@ -151,3 +151,35 @@ fn raw_bytes_are_hashed_as_they_are() {
     assert_ne!(fingerprint::bytes(b"abc"), fingerprint::bytes(b"abd"));
     assert_eq!(fingerprint::bytes(b"").len(), 32);
 }
+
+#[test]
+fn integers_beyond_a_double_keep_every_digit() {
+    // JCS alone writes both ids as 1790000000000000000.
+    let first = r#"{"to_account": 1790000000000000001, "amount": 100}"#;
+    let second = r#"{"to_account": 1790000000000000002, "amount": 100}"#;
+    assert_ne!(fp(first, &[]), fp(second, &[]));
+    assert_ne!(
+        fp(r#"[-9007199254740993]"#, &[]),
+        fp(r#"[-9007199254740994]"#, &[])
+    );
+    // The same request written differently still matches.
+    assert_eq!(
+        fp(first, &[]),
+        fp(r#"{ "amount":100,"to_account":1790000000000000001 }"#, &[])
+    );
+    assert_eq!(
+        canonical(r#"{"b": [1790000000000000001, 1.50, "x"], "a": {"d": null, "c": true}}"#),
+        r#"{"a":{"c":true,"d":null},"b":[1790000000000000001,1.5,"x"]}"#
+    );
+}
+
+#[test]
+fn documents_within_a_doubles_integers_keep_their_jcs_form() {
+    // Fingerprints taken before big integers were kept exact stay the same.
+    let text = r#"{"id": 9007199254740992, "n": [-9007199254740992, 2.5e-3], "s": "\u20ac"}"#;
+    let value: Value = serde_json::from_str(text).unwrap();
+    assert_eq!(
+        canonical(text),
+        serde_json_canonicalizer::to_string(&value).unwrap()
+    );
+}
