@@ -74,6 +74,7 @@ async fn charge(route: &'static str, state: AppState, headers: HeaderMap, body: 
         }
         "bank_down" => (StatusCode::BAD_GATEWAY, "the bank is down").into_response(),
         "huge" => (StatusCode::CREATED, "x".repeat(4096)).into_response(),
+        "huge_bank_down" => (StatusCode::BAD_GATEWAY, "x".repeat(4096)).into_response(),
         _ => (
             StatusCode::CREATED,
             [

@@ -277,7 +277,13 @@ where
             Ok(Response::from_parts(parts, body::full(bytes)))
         }
         Ok(Captured::TooLarge { read, rest }) => {
-            store_unreplayable(&mut lease, config.max_stored_bytes).await;
+            // A response that would not be stored anyway (a 5xx) releases the
+            // key whatever its size.
+            if (config.store)(parts.status) {
+                store_unreplayable(&mut lease, config.max_stored_bytes).await;
+            } else {
+                release(&mut lease).await;
+            }
             Ok(Response::from_parts(
                 parts,
                 body::boxed(Prefixed::new(read, rest)),

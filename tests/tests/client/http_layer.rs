@@ -368,3 +368,26 @@ async fn a_response_too_large_to_store_is_never_run_twice() {
     assert!(retry.body.contains("response-not-replayable"), "{retry:?}");
     assert_eq!(app.ledger.calls("/payments", "lee"), 1);
 }
+
+#[tokio::test]
+async fn a_5xx_too_large_to_store_still_releases_the_key() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let config = HttpConfig::new("shop").max_stored_bytes(1024);
+    let app = PaymentsApp::start(client_of(&server), config, Duration::ZERO).await;
+    let http = HttpClient::new(app.addr);
+    let key = unique_key("huge-bank-down");
+    let body = r#"{"outcome":"huge_bank_down"}"#;
+
+    let first = http.post("/payments", Some(&key), "mia", body).await;
+    let retry = http.post("/payments", Some(&key), "mia", body).await;
+
+    assert_eq!((first.status, first.body.len()), (502, 4096));
+    assert_eq!((retry.status, retry.body.len()), (502, 4096), "{retry:?}");
+    assert_eq!(retry.header("idempotent-replayed"), None);
+    assert_eq!(
+        app.ledger.calls("/payments", "mia"),
+        2,
+        "the retry ran again"
+    );
+}
