@@ -52,6 +52,13 @@ impl Error {
         matches!(self, Error::Unavailable { .. })
     }
 
+    /// True when the service refused the request itself (malformed, too
+    /// large, or a status this client does not know): sending it again
+    /// cannot succeed.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, Error::InvalidArgument { .. } | Error::Unexpected(_))
+    }
+
     pub(crate) fn from_status(status: Status, attempts: u32) -> Self {
         let reason = status.get_details_error_info().map(|info| info.reason);
         match (status.code(), reason.as_deref()) {

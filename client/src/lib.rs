@@ -65,7 +65,7 @@ pub use batching::Batching;
 pub use client::{Client, ClientBuilder, ClientOptions, RetryPolicy};
 pub use error::Error;
 pub use lease::{Acquisition, Lease};
-pub use run::{Attempt, Failure, OnUnavailable, Ran, RunError, RunOptions};
+pub use run::{Attempt, Failure, OnUnavailable, Ran, RunError, RunOptions, UNSTORABLE_RESPONSE};
 pub use types::{AcquireRequest, Record, RecordId, RecordState, StoredResponse};
 
 /// Generated protobuf messages and the gRPC client for `idempotency.v1`.

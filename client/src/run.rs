@@ -166,7 +166,13 @@ pub enum RunError<E> {
         /// What this attempt produced.
         response: StoredResponse,
     },
-    /// The logic ran, but its response could not be stored.
+    /// The logic ran, but its response could not be stored. When the service
+    /// refused the response itself (too large, a status code out of range),
+    /// a terminal failure is stored in its place (status 500, see
+    /// [`UNSTORABLE_RESPONSE`]), so that retries get
+    /// [`RunError::PreviouslyFailed`] instead of running the logic again once
+    /// the lease passes. Otherwise (the service unreachable) the key stays in
+    /// progress until its lease passes.
     #[error("the operation ran but its response could not be stored")]
     NotStored {
         /// What this attempt produced.
@@ -241,7 +247,12 @@ impl Client {
             Ok(response) => match lease.complete(&response).await {
                 Ok(()) => Ok(Ran::Executed(response)),
                 Err(Error::LeaseLost) => Err(RunError::LeaseLost { response }),
-                Err(error) => Err(RunError::NotStored { response, error }),
+                Err(error) => {
+                    if error.is_refusal() {
+                        fail_unstorable(&mut lease, &error).await;
+                    }
+                    Err(RunError::NotStored { response, error })
+                }
             },
             Err(business) => {
                 let stored = match (options.classify)(&business) {
@@ -290,4 +301,20 @@ pub(crate) fn note_fail_open(id: &RecordId, error: &Error) {
         .increment(1);
     tracing::warn!(%error, namespace = %id.namespace, operation = %id.operation,
         "idempotency service unavailable: running without idempotency (fail open)");
+}
+
+/// The body of the terminal failure stored when the service refuses a
+/// response that `run`'s logic produced (see [`RunError::NotStored`]).
+pub const UNSTORABLE_RESPONSE: &str =
+    "the operation ran, but the idempotency service refused to store its response";
+
+/// Stores a terminal failure in place of a response the service refused, so
+/// that a retry after the lease passes does not run the logic again.
+async fn fail_unstorable(lease: &mut crate::Lease, refusal: &Error) {
+    tracing::error!(%refusal, key = %lease.id().key,
+        "the service refused the response: storing a failure so retries do not run again");
+    let failure = StoredResponse::new(500, UNSTORABLE_RESPONSE);
+    if let Err(error) = lease.fail(&failure).await {
+        tracing::warn!(%error, key = %lease.id().key, "could not store the failure either");
+    }
 }

@@ -264,8 +264,9 @@ where
                         key = %lease.id().key,
                         "lease lost before the response was stored: the handler may have run twice"
                     ),
-                    // The service's own limit is lower than ours.
-                    Err(Error::InvalidArgument { .. }) => {
+                    // The service's own limit is lower than ours, or the
+                    // message is over its transport limit.
+                    Err(error) if error.is_refusal() => {
                         store_unreplayable(&mut lease, config.max_stored_bytes).await;
                     }
                     // The lease stays until it passes: releasing would run the handler again.

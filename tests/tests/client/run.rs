@@ -367,3 +367,45 @@ async fn keep_alive_renews_before_a_lease_shorter_than_its_interval_passes() {
     assert!(matches!(first, Ok(Ran::Executed(_))), "{first:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+#[tokio::test]
+async fn a_response_the_service_refuses_is_failed_in_its_place_so_a_retry_never_runs_again() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let client = client_of(&server);
+    let mut request = request("refused-response");
+    request.lease = Some(Duration::from_secs(1));
+    let runs = AtomicU32::new(0);
+    // Over the service's 1 MiB limit on stored responses.
+    let work = || async {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Ok::<_, String>(StoredResponse::new(201, vec![b'x'; 1024 * 1024 + 1]))
+    };
+
+    let first = client.run(&request, &Options::default(), |_| work()).await;
+    assert!(
+        matches!(
+            first,
+            Err(RunError::NotStored {
+                error: idempotency_client::Error::InvalidArgument { .. },
+                ..
+            })
+        ),
+        "{first:?}"
+    );
+    // Past the lease, a retry would take the key over and run again.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let retry = client.run(&request, &Options::default(), |_| work()).await;
+
+    match retry {
+        Err(RunError::PreviouslyFailed(failure)) => {
+            assert_eq!(failure.status_code, 500);
+            assert_eq!(
+                failure.body,
+                idempotency_client::UNSTORABLE_RESPONSE.as_bytes()
+            );
+        }
+        other => panic!("expected the stored failure, got {other:?}"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
