@@ -123,7 +123,8 @@ impl Lease {
     /// now, which may be shorter than `lease` (this machine's clock against the
     /// database's: a skew under two thirds of that is harmless).
     /// Renewal stops, and [`Lease::is_lost`] turns true, when the service
-    /// answers that the lease is gone or refuses the renewal outright.
+    /// answers that the lease is gone or refuses the renewal outright; any
+    /// other error (unreachable, internal) is retried at the next tick.
     pub fn keep_alive(&mut self, every: Duration, lease: Duration) {
         self.stop_keep_alive();
         let third = lease / 3;
@@ -154,14 +155,17 @@ impl Lease {
                 }
                 match client.renew(&id, token, lease).await {
                     Ok(_) => {}
-                    // Transient: the next tick tries again while the lease lasts.
+                    Err(error) if renewal_cannot_succeed(&error) => {
+                        tracing::warn!(key = %id.key, %error, "lease lost while renewing");
+                        lost.store(true, Ordering::Relaxed);
+                        return;
+                    }
+                    // The next tick tries again while the lease lasts.
                     Err(error) if error.is_unavailable() => {
                         tracing::debug!(%error, "renewal failed; retrying");
                     }
                     Err(error) => {
-                        tracing::warn!(key = %id.key, %error, "lease lost while renewing");
-                        lost.store(true, Ordering::Relaxed);
-                        return;
+                        tracing::warn!(key = %id.key, %error, "renewal failed; retrying");
                     }
                 }
             }
@@ -240,5 +244,51 @@ impl Drop for Lease {
                 tracing::warn!(key = %id.key, %error, "could not release an abandoned lease");
             }
         });
+    }
+}
+
+/// Whether a renewal's error means the lease is gone for good: another
+/// attempt holds the key, the record is finished or gone, or the request
+/// itself is refused. Anything else (the service unreachable, one internal
+/// error) may pass, and renewing stops only when the lease is known lost.
+fn renewal_cannot_succeed(error: &Error) -> bool {
+    matches!(
+        error,
+        Error::LeaseLost
+            | Error::NotInProgress
+            | Error::NotFound
+            | Error::ResponseConflict
+            | Error::InvalidArgument { .. }
+            | Error::Config(_)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renewal_gives_up_only_when_the_lease_is_known_lost() {
+        let unavailable = Error::Unavailable {
+            attempts: 3,
+            message: "connection refused".into(),
+        };
+        let internal = Error::Internal("deadlock detected".into());
+        let cancelled = Error::Unexpected(Box::new(tonic::Status::cancelled("cancelled")));
+        for error in [unavailable, internal, cancelled] {
+            assert!(!renewal_cannot_succeed(&error), "{error}");
+        }
+        let refused = Error::InvalidArgument {
+            field: Some("lease".into()),
+            message: "must lie in [1s, 1h]".into(),
+        };
+        for error in [
+            Error::LeaseLost,
+            Error::NotInProgress,
+            Error::NotFound,
+            refused,
+        ] {
+            assert!(renewal_cannot_succeed(&error), "{error}");
+        }
     }
 }
