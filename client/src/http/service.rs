@@ -349,10 +349,11 @@ fn operation(parts: &Parts) -> String {
         .get::<axum::extract::MatchedPath>()
         .map_or_else(|| parts.uri.path(), |matched| matched.as_str());
     let operation = format!("{} {route}", parts.method);
-    if operation.len() <= 128 {
+    if operation.len() <= 128 && operation.bytes().all(|b| (0x20..=0x7e).contains(&b)) {
         return operation;
     }
-    // The service allows 128 characters: a long path is kept distinct by its hash.
+    // The service allows 128 printable ASCII characters: a long path, or one
+    // with other characters (`/café`, sent unencoded), is kept distinct by its hash.
     let digest = fingerprint::bytes(route.as_bytes());
     let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
     format!("{} #{hex}", parts.method)
@@ -428,4 +429,35 @@ fn replay(stored: StoredResponse) -> Response<ResponseBody> {
     }
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn operation_of(path: &[u8]) -> String {
+        let uri = http::Uri::from_maybe_shared(Bytes::copy_from_slice(path)).unwrap();
+        let (parts, ()) = Request::post(uri).body(()).unwrap().into_parts();
+        operation(&parts)
+    }
+
+    #[test]
+    fn an_operation_is_printable_ascii_the_service_accepts() {
+        assert_eq!(operation_of(b"/payments"), "POST /payments");
+        for path in [
+            "/caf\u{e9}".as_bytes().to_vec(),
+            format!("/{}", "a".repeat(130)).into_bytes(),
+        ] {
+            let operation = operation_of(&path);
+            assert!(
+                operation.len() <= 128 && operation.bytes().all(|b| (0x20..=0x7e).contains(&b)),
+                "{operation}"
+            );
+        }
+        // Distinct paths keep distinct operations.
+        assert_ne!(
+            operation_of("/caf\u{e9}".as_bytes()),
+            operation_of("/caf\u{e8}".as_bytes())
+        );
+    }
 }
