@@ -65,6 +65,7 @@ impl HttpConfig {
             store: Arc::new(store_2xx_and_4xx),
             replay_headers: vec![
                 header::CONTENT_TYPE,
+                header::CONTENT_ENCODING,
                 header::CONTENT_LANGUAGE,
                 header::LOCATION,
                 header::ETAG,
@@ -144,7 +145,11 @@ impl HttpConfig {
     }
 
     /// The response headers stored and replayed (default: content-type,
-    /// content-language, location, etag, last-modified, cache-control).
+    /// content-encoding, content-language, location, etag, last-modified,
+    /// cache-control). Values are stored as UTF-8; others are left out.
+    /// The body is stored as the handler sent it: a compression layer inside
+    /// this one stores compressed bodies (replayed with their
+    /// content-encoding, whatever the retry accepts), so put it outside.
     pub fn replay_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         self.replay_headers = headers.into_iter().collect();
         self

@@ -402,10 +402,17 @@ fn replayable_headers(
         .replay_headers
         .iter()
         .filter_map(|name| {
+            // UTF-8, not only ASCII: a `Location` may carry it unencoded.
             let values: Vec<&str> = headers
                 .get_all(name)
                 .iter()
-                .filter_map(|value| value.to_str().ok())
+                .filter_map(|value| match std::str::from_utf8(value.as_bytes()) {
+                    Ok(text) => Some(text),
+                    Err(_) => {
+                        tracing::warn!(header = %name, "a header value that is not UTF-8 is not stored");
+                        None
+                    }
+                })
                 .collect();
             (!values.is_empty()).then(|| (name.as_str().to_owned(), values.join(", ")))
         })
@@ -459,5 +466,29 @@ mod tests {
             operation_of("/caf\u{e9}".as_bytes()),
             operation_of("/caf\u{e8}".as_bytes())
         );
+    }
+
+    #[test]
+    fn headers_are_replayed_as_the_handler_sent_them() {
+        let mut sent = http::HeaderMap::new();
+        sent.insert(
+            "location",
+            HeaderValue::from_bytes("/caf\u{e9}/1".as_bytes()).unwrap(),
+        );
+        sent.insert("content-encoding", HeaderValue::from_static("gzip"));
+        sent.insert("x-other", HeaderValue::from_static("not replayed"));
+        let stored = StoredResponse {
+            status_code: 201,
+            body: b"body".to_vec(),
+            headers: replayable_headers(&sent, &crate::http::HttpConfig::new("shop")),
+        };
+
+        let replayed = replay(stored);
+        assert_eq!(
+            replayed.headers()["location"].as_bytes(),
+            "/caf\u{e9}/1".as_bytes()
+        );
+        assert_eq!(replayed.headers()["content-encoding"], "gzip");
+        assert!(!replayed.headers().contains_key("x-other"));
     }
 }
