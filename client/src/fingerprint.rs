@@ -68,8 +68,18 @@ fn canonical_pruned<S: AsRef<str>>(
     mut value: Value,
     excluded: &[S],
 ) -> Result<String, FingerprintError> {
-    for pointer in excluded {
-        remove_pointer(&mut value, pointer.as_ref())?;
+    // Every pointer names a place in the document as sent, but removing an
+    // array element shifts the ones after it. So the deepest go first, and
+    // of one array's elements the last first: `/a/0` and `/a/1` remove the
+    // first two elements, not the first and the third.
+    let mut pointers: Vec<&str> = excluded.iter().map(AsRef::as_ref).collect();
+    pointers.sort_by(|a, b| {
+        depth(b)
+            .cmp(&depth(a))
+            .then_with(|| last_index(b).cmp(&last_index(a)))
+    });
+    for pointer in pointers {
+        remove_pointer(&mut value, pointer)?;
     }
     canonical(&value)
 }
@@ -141,6 +151,15 @@ fn write_exact(value: &Value, out: &mut String) -> Result<(), FingerprintError> 
         leaf => out.push_str(&jcs(leaf)?),
     }
     Ok(())
+}
+
+fn depth(pointer: &str) -> usize {
+    pointer.matches('/').count()
+}
+
+/// The last token of `pointer` as an array index, when it is one.
+fn last_index(pointer: &str) -> Option<usize> {
+    pointer.rsplit('/').next()?.parse().ok()
 }
 
 /// Whether `pointer` is a JSON Pointer (RFC 6901): empty, or starting with `/`.

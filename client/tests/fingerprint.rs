@@ -134,6 +134,23 @@ fn excluded_pointers_are_ignored_wherever_they_point() {
 }
 
 #[test]
+fn pointers_name_places_in_the_document_as_sent() {
+    let value = json!({"a": [{"t": 1}, {"t": 2}, {"keep": 3}]});
+    let expected = r#"{"a":[{"keep":3}]}"#;
+    for excluded in [["/a/0", "/a/1"], ["/a/1", "/a/0"]] {
+        assert_eq!(
+            fingerprint::canonical_json(&value, &excluded).unwrap(),
+            expected
+        );
+    }
+    // A field inside an element, and an element before it.
+    assert_eq!(
+        fingerprint::canonical_json(&value, &["/a/0", "/a/2/keep"]).unwrap(),
+        r#"{"a":[{"t":2},{}]}"#
+    );
+}
+
+#[test]
 fn bad_input_is_a_typed_error() {
     assert!(matches!(
         fingerprint::json_bytes(b"{not json", &[]),
