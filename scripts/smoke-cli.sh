@@ -15,6 +15,14 @@ url="${DATABASE_URL%/*}/$db"
 fail() { echo "smoke-cli: $*" >&2; exit 1; }
 
 DATABASE_URL="$url" "$bin" migrate --log-level warn || fail "migrate failed"
+# Migrations outlast the serving statement timeout: a run waiting 2 s for the
+# migrations table (as for another pod's run) must not be cut at 100 ms.
+psql -q "$url" -c "BEGIN; LOCK TABLE _sqlx_migrations IN ACCESS EXCLUSIVE MODE; SELECT pg_sleep(2); COMMIT;" >/dev/null &
+locker=$!
+sleep 0.5
+DATABASE_URL="$url" IDEMPOTENCY_STATEMENT_TIMEOUT=100ms "$bin" migrate --log-level warn ||
+  fail "migrate was cut short by the serving statement timeout"
+wait "$locker"
 psql -q "$url" -c "INSERT INTO idempotency_records (namespace, operation, subject, key, state, fingerprint,
     fencing_token, created_at, expires_at, completed_at, response_status, response_body, response_headers)
   SELECT 'smoke', 'POST /x', '', 'expired-' || n, 'completed', '', 1, now(), now() - interval '1 minute',

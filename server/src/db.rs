@@ -9,7 +9,18 @@ use sqlx::{
 };
 
 /// The SQL in `migrations/`, embedded at build time.
-pub static MIGRATOR: Migrator = sqlx::migrate!("../migrations");
+/// Migrations a binary does not know are allowed in the database: during a
+/// rolling upgrade, and after a rollback, older binaries serve a schema that
+/// newer ones migrated (every migration keeps the schema readable and
+/// writable by the release before it; docs/operations.md).
+pub static MIGRATOR: Migrator = Migrator {
+    ignore_missing: true,
+    ..sqlx::migrate!("../migrations")
+};
+
+/// Statement timeout of a migration run, whatever the serving timeout: a
+/// migration may rewrite the table, and waits for another pod's run to end.
+pub const MIGRATION_STATEMENT_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// How the server uses its connections.
 #[derive(Debug, Clone, PartialEq, Eq)]

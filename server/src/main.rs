@@ -18,9 +18,30 @@ fn connect(database: &DatabaseArgs, index_lookups_only: bool) -> anyhow::Result<
         index_lookups_only,
         ..database.pool_settings()
     };
+    pool_with(database, &settings)
+}
+
+/// Migrations run without the serving pool's statement timeout (5 s by
+/// default), which would cut a long migration or the wait for another
+/// pod's run short.
+async fn migrate(database: &DatabaseArgs) -> anyhow::Result<()> {
+    let settings = db::PoolSettings {
+        index_lookups_only: false,
+        statement_timeout: database
+            .statement_timeout
+            .max(db::MIGRATION_STATEMENT_TIMEOUT),
+        ..database.pool_settings()
+    };
+    let pool = pool_with(database, &settings)?;
+    db::migrate(&pool).await.context("applying migrations")?;
+    pool.close().await;
+    Ok(())
+}
+
+fn pool_with(database: &DatabaseArgs, settings: &db::PoolSettings) -> anyhow::Result<sqlx::PgPool> {
     Ok(db::pool(
         database.connect_options().context("parsing DATABASE_URL")?,
-        &settings,
+        settings,
     ))
 }
 
@@ -46,9 +67,7 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
             tracing::info!(database = %args.database.database_url.redacted(), "starting");
             let pool = connect(&args.database, true)?;
             if args.migrate {
-                db::migrate(&connect(&args.database, false)?)
-                    .await
-                    .context("applying migrations")?;
+                migrate(&args.database).await?;
                 tracing::info!("migrations applied");
             }
             telemetry::metrics_handle();
@@ -59,9 +78,7 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Migrate(args) => {
             telemetry::init_logs(&args.log);
-            db::migrate(&connect(&args.database, false)?)
-                .await
-                .context("applying migrations")?;
+            migrate(&args.database).await?;
             tracing::info!(database = %args.database.database_url.redacted(), "migrations applied");
         }
         Command::Reap(args) => {

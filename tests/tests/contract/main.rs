@@ -8,6 +8,7 @@ mod batch;
 mod complete;
 mod fail;
 mod lease;
+mod migrations;
 mod observability;
 mod outage;
 mod plans;
