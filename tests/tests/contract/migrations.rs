@@ -21,5 +21,12 @@ async fn a_database_migrated_by_a_newer_release_is_migrated_and_served() {
         .expect("a migration this binary does not know is no reason to refuse");
     let server = TestServer::start(&db).await;
     let mut client = server.client.clone();
-    token(&acquire(&mut client, &record_id(&unique_key("after-rollback")), b"fp").await);
+    token(
+        &acquire(
+            &mut client,
+            &record_id(&unique_key("after-rollback")),
+            b"fp",
+        )
+        .await,
+    );
 }
