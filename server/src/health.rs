@@ -3,11 +3,12 @@
 
 use std::time::Duration;
 
+use sqlx::{ConnectOptions, Connection, PgConnection, postgres::PgConnectOptions};
 use tonic_health::{ServingStatus, server::HealthReporter};
 
 use crate::{
     grpc::{GrpcService, service::IdempotencyServiceServer},
-    metrics::DATABASE_UP,
+    metrics::{DATABASE_UP, QueryTimer},
     store::Store,
 };
 
@@ -34,17 +35,32 @@ pub async fn set(reporter: &HealthReporter, status: ServingStatus) {
 }
 
 /// Probes the database every `interval` and reports the result. Runs until aborted.
+///
+/// The probe has a connection of its own, outside the pool: a pool that is
+/// busy (every connection in use, calls waiting) means a loaded database,
+/// not an unreachable one, and taking a loaded replica out of rotation only
+/// moves its load onto the others.
 pub async fn watch_database(store: Store, reporter: HealthReporter, interval: Duration) {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let options = store.pool().connect_options();
+    let mut probe: Option<PgConnection> = None;
     let mut last = None;
     loop {
         ticker.tick().await;
         // A probe slower than the interval counts as down.
         let up = matches!(
-            tokio::time::timeout(interval.max(Duration::from_secs(1)), store.ping()).await,
+            tokio::time::timeout(
+                interval.max(Duration::from_secs(1)),
+                ping(&options, &mut probe)
+            )
+            .await,
             Ok(Ok(()))
         );
+        if !up {
+            // Reconnect next time: the connection may have died with the outage.
+            probe = None;
+        }
         metrics::gauge!(DATABASE_UP).set(if up { 1.0 } else { 0.0 });
         if last != Some(up) {
             if up {
@@ -61,4 +77,14 @@ pub async fn watch_database(store: Store, reporter: HealthReporter, interval: Du
             last = Some(up);
         }
     }
+}
+
+/// One round trip on the probe's connection, connecting first when it has none.
+async fn ping(options: &PgConnectOptions, probe: &mut Option<PgConnection>) -> sqlx::Result<()> {
+    let _timer = QueryTimer::start("ping");
+    let connection = match probe {
+        Some(connection) => connection,
+        None => probe.insert(options.connect().await?),
+    };
+    connection.ping().await
 }

@@ -308,12 +308,4 @@ impl Store {
             .await?;
         Ok(row)
     }
-
-    /// A cheap round trip that proves the database answers.
-    pub async fn ping(&self) -> StoreResult<()> {
-        let _timer = QueryTimer::start("ping");
-        let mut connection = self.connection().await?;
-        sqlx::query("SELECT 1").execute(&mut *connection).await?;
-        Ok(())
-    }
 }

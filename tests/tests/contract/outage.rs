@@ -128,6 +128,11 @@ async fn an_exhausted_pool_answers_unavailable_instead_of_hanging() {
     let other = try_acquire(&mut client, &record_id(&unique_key("other")), b"").await;
 
     assert_error(other, Code::Unavailable, "DATABASE_UNAVAILABLE");
+    // A busy pool is not a database outage: the replica stays in rotation
+    // (the health probe, every 200 ms, has a connection of its own).
+    let mut health = HealthClient::new(TestServer::channel_to(server.addr).await);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(health_status(&mut health, "").await, ServingStatus::Serving);
     blocker.rollback().await.unwrap();
     assert!(stuck.await.unwrap().is_ok());
 }
