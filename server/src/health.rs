@@ -49,24 +49,22 @@ pub async fn watch_database(store: Store, reporter: HealthReporter, interval: Du
     loop {
         ticker.tick().await;
         // A probe slower than the interval counts as down.
-        let up = matches!(
-            tokio::time::timeout(
-                interval.max(Duration::from_secs(1)),
-                ping(&options, &mut probe)
-            )
-            .await,
-            Ok(Ok(()))
-        );
+        let limit = interval.max(Duration::from_secs(1));
+        let failure = match tokio::time::timeout(limit, ping(&options, &mut probe)).await {
+            Ok(Ok(())) => None,
+            Ok(Err(error)) => Some(error.to_string()),
+            Err(_) => Some(format!("no answer within {limit:?}")),
+        };
+        let up = failure.is_none();
         if !up {
             // Reconnect next time: the connection may have died with the outage.
             probe = None;
         }
         metrics::gauge!(DATABASE_UP).set(if up { 1.0 } else { 0.0 });
         if last != Some(up) {
-            if up {
-                tracing::info!("database reachable: SERVING");
-            } else {
-                tracing::warn!("database unreachable: NOT_SERVING");
+            match &failure {
+                None => tracing::info!("database reachable: SERVING"),
+                Some(error) => tracing::warn!(%error, "database unreachable: NOT_SERVING"),
             }
             let status = if up {
                 ServingStatus::Serving
