@@ -133,6 +133,9 @@ run "chart refuses a pool its batch workers would fill" \
 printf 'terminationGracePeriodSeconds: 10\nconfig:\n  drainTimeout: 20s\n' >"$OUT/refuse-short-grace.yaml"
 run "chart refuses a grace period shorter than the drain" \
   refuses "$OUT/refuse-short-grace.yaml" "must exceed config.drainTimeout"
+printf 'terminationGracePeriodSeconds: 30\nconfig:\n  drainTimeout: 29500ms\n' >"$OUT/refuse-ms-grace.yaml"
+run "chart refuses a grace period a drain in milliseconds would outlast" \
+  refuses "$OUT/refuse-ms-grace.yaml" "must exceed config.drainTimeout"
 printf 'replicaCount: 1\nautoscaling:\n  enabled: false\n' >"$OUT/refuse-blocked-drain.yaml"
 run "chart refuses a disruption budget that blocks node drains" \
   refuses "$OUT/refuse-blocked-drain.yaml" "must be less than the fewest pods (1)"

@@ -153,7 +153,7 @@ has another form (the drain check below is then skipped).
 {{- else }}
 {{- $n := regexFind "^[0-9]+" . | int64 }}
 {{- $unit := regexFind "[a-z]+$" . }}
-{{- if eq $unit "ms" }}{{ div $n 1000 }}
+{{- if eq $unit "ms" }}{{ div (add $n 999) 1000 }}
 {{- else if eq $unit "s" }}{{ $n }}
 {{- else if eq $unit "m" }}{{ mul $n 60 }}
 {{- else }}{{ mul $n 3600 }}
