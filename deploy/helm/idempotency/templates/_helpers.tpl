@@ -144,7 +144,7 @@ IDEMPOTENCY_REAPER_MAX_PER_RUN: {{ int64 $r.maxPerRun | toString | quote }}
 {{- end }}
 
 {{/*
-Seconds in a duration of one unit ("20s", "1m", "500ms"); -1 when the value
+Seconds in a duration of one unit ("20s", "1m", "500ms"), rounded up; -1 when the value
 has another form (the drain check below is then skipped).
 */}}
 {{- define "idempotency.durationSeconds" -}}
