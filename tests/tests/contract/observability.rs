@@ -179,6 +179,9 @@ async fn table_pool_and_reaper_gauges_are_published() {
     idempotency_tests::insert_records(&db.pool, "old", 50, 60).await;
     idempotency_tests::insert_records(&db.pool, "live", 7, -3600).await;
     let server = observed_server(&db, 200).await;
+    // One call, so that the pool has been waited on (a Get writes nothing).
+    let mut client = server.client.clone();
+    let _ = get(&mut client, &record_id(&unique_key("pool-wait"))).await;
 
     // Background tasks publish at their own pace: wait until all have.
     let mut page = String::new();
