@@ -52,11 +52,17 @@ impl Error {
         matches!(self, Error::Unavailable { .. })
     }
 
-    /// True when the service refused the request itself (malformed, too
-    /// large, or a status this client does not know): sending it again
-    /// cannot succeed.
+    /// True when the service refused the request itself (malformed, or over
+    /// a size limit: the service's, or gRPC's message limit, OUT_OF_RANGE):
+    /// sending it again cannot succeed. Other unexpected statuses (a
+    /// cancelled stream, a proxy's PERMISSION_DENIED) may pass, so they are
+    /// not refusals.
     pub fn is_refusal(&self) -> bool {
-        matches!(self, Error::InvalidArgument { .. } | Error::Unexpected(_))
+        match self {
+            Error::InvalidArgument { .. } => true,
+            Error::Unexpected(status) => status.code() == Code::OutOfRange,
+            _ => false,
+        }
     }
 
     pub(crate) fn from_status(status: Status, attempts: u32) -> Self {
@@ -92,4 +98,31 @@ pub(crate) fn is_transient(code: Code) -> bool {
         // A connection reset mid-call surfaces as Unknown.
         | Code::Unknown
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_malformed_or_oversized_request_is_a_refusal() {
+        let invalid = Error::InvalidArgument {
+            field: Some("response.body".into()),
+            message: "too large".into(),
+        };
+        let too_large = Error::Unexpected(Box::new(Status::out_of_range("message too large")));
+        assert!(invalid.is_refusal());
+        assert!(too_large.is_refusal());
+        for passing in [
+            Error::Unexpected(Box::new(Status::cancelled("stream reset"))),
+            Error::Unexpected(Box::new(Status::permission_denied("by a proxy"))),
+            Error::Internal("deadlock".into()),
+            Error::Unavailable {
+                attempts: 3,
+                message: "connection refused".into(),
+            },
+        ] {
+            assert!(!passing.is_refusal(), "{passing}");
+        }
+    }
 }
