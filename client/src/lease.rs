@@ -123,8 +123,9 @@ impl Lease {
     /// now, which may be shorter than `lease` (this machine's clock against the
     /// database's: a skew under two thirds of that is harmless).
     /// Renewal stops, and [`Lease::is_lost`] turns true, when the service
-    /// answers that the lease is gone or refuses the renewal outright; any
-    /// other error (unreachable, internal) is retried at the next tick.
+    /// answers that the lease is gone or refuses the renewal outright, or
+    /// when renewals kept failing until the lease passed; any other error
+    /// (unreachable, internal) is retried at the next tick.
     pub fn keep_alive(&mut self, every: Duration, lease: Duration) {
         self.stop_keep_alive();
         let third = lease / 3;
@@ -143,6 +144,7 @@ impl Lease {
         let id = self.id.clone();
         let token = self.fencing_token;
         let lost = self.lost.clone();
+        let mut held_until = self.lease_expires_at;
         self.keep_alive = Some(tokio::spawn(async move {
             let started = tokio::time::Instant::now();
             let mut ticker = tokio::time::interval_at(started + first, every);
@@ -154,9 +156,16 @@ impl Lease {
                     return;
                 }
                 match client.renew(&id, token, lease).await {
-                    Ok(_) => {}
+                    Ok(renewed) => held_until = time_from_pb(renewed.lease_expires_at),
                     Err(error) if renewal_cannot_succeed(&error) => {
                         tracing::warn!(key = %id.key, %error, "lease lost while renewing");
+                        lost.store(true, Ordering::Relaxed);
+                        return;
+                    }
+                    // Past the lease (this machine's clock), another attempt
+                    // may hold the key: the logic must hear of it.
+                    Err(error) if SystemTime::now() >= held_until => {
+                        tracing::warn!(key = %id.key, %error, "lease passed while renewals failed");
                         lost.store(true, Ordering::Relaxed);
                         return;
                     }

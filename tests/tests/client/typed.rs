@@ -137,6 +137,34 @@ async fn keep_alive_renews_at_least_three_times_a_lease() {
         .unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keep_alive_marks_the_lease_lost_once_it_passes_while_renewals_fail() {
+    let db = TestDb::new().await;
+    let (server, proxy) = idempotency_tests::server_behind_proxy(&db).await;
+    let client = client_of(&server).with_options(ClientOptions {
+        retry: RetryPolicy::none(),
+        ..ClientOptions::default()
+    });
+    let request = request("keepalive-outage").with_lease(Duration::from_secs(1));
+    let mut lease = proceed(&client, &request).await;
+    lease.keep_alive(Duration::from_millis(200), Duration::from_secs(1));
+
+    // Every renewal fails UNAVAILABLE from now on: retried, until the lease
+    // has passed and another attempt may hold the key.
+    proxy.cut().await;
+    let mut waited = Duration::ZERO;
+    while !lease.is_lost() && waited < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        waited += Duration::from_millis(100);
+    }
+    assert!(lease.is_lost(), "still not lost after {waited:?}");
+    assert!(
+        std::time::SystemTime::now() >= lease.lease_expires_at(),
+        "marked lost before the lease passed"
+    );
+    proxy.restore().await;
+}
+
 async fn lease_end(
     client: &idempotency_client::Client,
     request: &idempotency_client::AcquireRequest,
