@@ -99,6 +99,25 @@ pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
 mod tests {
     use super::*;
 
+    /// Every migration a release shipped, in order. With `ignore_missing` the
+    /// database no longer catches a migration file deleted or renamed in this
+    /// binary (a renamed one would run again), so this list does: append to
+    /// it, never edit it.
+    const SHIPPED: &[(i64, &str)] = &[
+        (20261130000001, "create idempotency records"),
+        (20261130000002, "tune records for churn"),
+        (20261201000001, "fencing tokens per lifetime"),
+    ];
+
+    #[test]
+    fn no_shipped_migration_is_lost_or_renamed() {
+        let here: Vec<(i64, &str)> = MIGRATOR
+            .iter()
+            .map(|migration| (migration.version, migration.description.as_ref()))
+            .collect();
+        assert_eq!(&here[..SHIPPED.len().min(here.len())], SHIPPED);
+    }
+
     #[tokio::test]
     async fn connections_are_named_unless_the_url_names_them() {
         let settings = PoolSettings::default();
