@@ -19,7 +19,12 @@ DATABASE_URL="$url" "$bin" migrate --log-level warn || fail "migrate failed"
 # migrations table (as for another pod's run) must not be cut at 100 ms.
 psql -q "$url" -c "BEGIN; LOCK TABLE _sqlx_migrations IN ACCESS EXCLUSIVE MODE; SELECT pg_sleep(2); COMMIT;" >/dev/null &
 locker=$!
-sleep 0.5
+for _ in $(seq 50); do
+  held=$(psql -qAt "$url" -c "SELECT count(*) FROM pg_locks WHERE relation = '_sqlx_migrations'::regclass AND mode = 'AccessExclusiveLock' AND granted")
+  [ "$held" = 1 ] && break
+  sleep 0.1
+done
+[ "$held" = 1 ] || fail "the test's lock on _sqlx_migrations was never taken"
 DATABASE_URL="$url" IDEMPOTENCY_STATEMENT_TIMEOUT=100ms "$bin" migrate --log-level warn ||
   fail "migrate was cut short by the serving statement timeout"
 wait "$locker"
