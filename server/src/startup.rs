@@ -118,8 +118,9 @@ fn check_pool_fits_batching(pool: &PgPool, batching: BatchSettings) -> Result<()
         return Ok(());
     }
     if spare > 0 {
-        // Takeovers, Get, Renew, Release, the health probe and the gauges
-        // share what is left; under load they may wait for it.
+        // Takeovers, Get, Renew, Release and the gauges share what is left
+        // (the health probe has a connection of its own); under load they
+        // may wait for it.
         tracing::warn!(
             max_connections,
             kept_by_batch_workers = kept,
