@@ -144,9 +144,12 @@ impl Lease {
         let id = self.id.clone();
         let token = self.fencing_token;
         let lost = self.lost.clone();
-        let mut held_until = self.lease_expires_at;
         self.keep_alive = Some(tokio::spawn(async move {
             let started = tokio::time::Instant::now();
+            // When the lease ends by this machine's monotonic clock: from the
+            // clock skew only until the first renewal, then from the time
+            // each successful renewal was sent.
+            let mut held_until = started + held;
             let mut ticker = tokio::time::interval_at(started + first, every);
             ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
@@ -155,8 +158,9 @@ impl Lease {
                     tracing::warn!(key = %id.key, "stopped renewing a lease held longer than {MAX_KEEP_ALIVE:?}");
                     return;
                 }
+                let sent = tokio::time::Instant::now();
                 match client.renew(&id, token, lease).await {
-                    Ok(renewed) => held_until = time_from_pb(renewed.lease_expires_at),
+                    Ok(_) => held_until = sent + lease,
                     Err(error) if renewal_cannot_succeed(&error) => {
                         tracing::warn!(key = %id.key, %error, "lease lost while renewing");
                         lost.store(true, Ordering::Relaxed);
@@ -164,7 +168,7 @@ impl Lease {
                     }
                     // Past the lease (this machine's clock), another attempt
                     // may hold the key: the logic must hear of it.
-                    Err(error) if SystemTime::now() >= held_until => {
+                    Err(error) if tokio::time::Instant::now() >= held_until => {
                         tracing::warn!(key = %id.key, %error, "lease passed while renewals failed");
                         lost.store(true, Ordering::Relaxed);
                         return;
