@@ -1,7 +1,7 @@
 //! `grpc.health.v1`: SERVING while the database answers, NOT_SERVING while it
 //! does not, and NOT_SERVING for good once shutdown begins.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use sqlx::{ConnectOptions, Connection, PgConnection, postgres::PgConnectOptions};
 use tonic_health::{ServingStatus, server::HealthReporter};
@@ -9,7 +9,6 @@ use tonic_health::{ServingStatus, server::HealthReporter};
 use crate::{
     grpc::{GrpcService, service::IdempotencyServiceServer},
     metrics::{DATABASE_UP, QueryTimer},
-    store::Store,
 };
 
 /// The health service name a liveness probe asks: SERVING for as long as the
@@ -34,16 +33,20 @@ pub async fn set(reporter: &HealthReporter, status: ServingStatus) {
     }
 }
 
-/// Probes the database every `interval` and reports the result. Runs until aborted.
+/// Probes the database `options` name every `interval` and reports the
+/// result. Runs until aborted.
 ///
 /// The probe has a connection of its own, outside the pool: a pool that is
 /// busy (every connection in use, calls waiting) means a loaded database,
 /// not an unreachable one, and taking a loaded replica out of rotation only
 /// moves its load onto the others.
-pub async fn watch_database(store: Store, reporter: HealthReporter, interval: Duration) {
+pub async fn watch_database(
+    options: Arc<PgConnectOptions>,
+    reporter: HealthReporter,
+    interval: Duration,
+) {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let options = store.pool().connect_options();
     let mut probe: Option<PgConnection> = None;
     let mut last = None;
     loop {

@@ -212,7 +212,7 @@ impl Application {
             .set_service_status(health::LIVENESS, ServingStatus::Serving)
             .await;
         let mut watcher = tokio::spawn(health::watch_database(
-            store.clone(),
+            store.pool().connect_options(),
             reporter.clone(),
             config.health_check_interval,
         ));
