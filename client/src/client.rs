@@ -72,9 +72,14 @@ impl RetryPolicy {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientOptions {
     /// Deadline of each call attempt, also sent as `grpc-timeout`. Keep it
-    /// above the server's worst case (its pool wait plus statement timeout,
-    /// 7 s by default): an Acquire that timed out here may still commit there,
-    /// and its retry would then find its own attempt in progress.
+    /// above the server's usual worst case: a statement's pool wait plus its
+    /// statement timeout, 7 s by default (an Acquire taking over an abandoned
+    /// key runs two or three statements, each so bounded). An Acquire that
+    /// timed out here may still commit there, and its retry would then find
+    /// its own attempt in progress until the lease passes. A call that runs
+    /// out of time fails as [`Error::Unavailable`]; it is sent again only
+    /// while [`RetryPolicy::max_elapsed`] allows, which with the defaults
+    /// (10 s here, 5 s there) it never does.
     pub timeout: Duration,
     /// Retries of transient errors.
     pub retry: RetryPolicy,
@@ -309,6 +314,7 @@ impl Client {
         let mut attempts = 0;
         loop {
             attempts += 1;
+            let attempt_started = tokio::time::Instant::now();
             let status = match tokio::time::timeout(
                 options.timeout,
                 attempt(self.inner.stub.clone(), options.timeout),
@@ -316,6 +322,20 @@ impl Client {
             .await
             {
                 Ok(Ok(response)) => return Ok(response),
+                // tonic's channel enforces the `grpc-timeout` it sends as
+                // well, and reports its expiry as CANCELLED ("Timeout
+                // expired"); it usually fires on the same tick as ours, and
+                // first. A call that ran out of time is a deadline, retried
+                // and counted as unavailable like one, whichever timer won.
+                Ok(Err(status))
+                    if status.code() == tonic::Code::Cancelled
+                        && attempt_started.elapsed() >= options.timeout =>
+                {
+                    Status::deadline_exceeded(format!(
+                        "the call exceeded the client's timeout ({})",
+                        status.message()
+                    ))
+                }
                 Ok(Err(status)) => status,
                 Err(_) => Status::deadline_exceeded("the call exceeded the client's timeout"),
             };

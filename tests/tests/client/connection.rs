@@ -121,3 +121,44 @@ async fn several_endpoints_are_balanced_and_one_going_away_is_survived() {
         );
     }
 }
+
+/// A client of a service that accepts connections and never answers (a hung
+/// process, a black-holed route): no refusal, no reset.
+async fn client_of_a_silent_service(batching: Option<idempotency_client::Batching>) -> Client {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            held.push(socket);
+        }
+    });
+    Client::builder()
+        .endpoint(format!("http://{addr}"))
+        .timeout(Duration::from_millis(300))
+        .retry(RetryPolicy::none())
+        .batching(batching)
+        .connect_lazy()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_call_to_a_service_that_never_answers_fails_as_unavailable_once_its_timeout_passes() {
+    for batching in [Some(idempotency_client::Batching::default()), None] {
+        let client = client_of_a_silent_service(batching.clone()).await;
+        for _ in 0..5 {
+            let outcome =
+                tokio::time::timeout(Duration::from_secs(10), client.acquire(&request("silent")))
+                    .await
+                    .expect("the client's own timeout ends the call");
+
+            // Unavailable, so that a caller's fail-open policy applies and
+            // the HTTP layer answers 503, whichever of tonic's deadline and
+            // the client's fired first.
+            match outcome {
+                Err(error @ Error::Unavailable { .. }) => assert!(error.is_unavailable()),
+                other => panic!("batching {batching:?}: {other:?}"),
+            }
+        }
+    }
+}
