@@ -41,7 +41,9 @@ pub struct Batching {
     /// Most calls in one batch (the server refuses more than 100 by default).
     pub max_items: usize,
     /// Most encoded bytes in one batch; a call larger than a quarter of this
-    /// (a big response to store) always travels alone.
+    /// (a big response to store) always travels alone. Keep it below the
+    /// server's message limit (4 MiB, or twice `--max-response-bytes`):
+    /// a batch over it is refused as a whole and its calls resent alone.
     pub max_bytes: usize,
 }
 
@@ -76,7 +78,8 @@ enum Reply<T> {
     /// Its own answer, from the batch.
     Answer(ItemResult<T>),
     /// The server refused the batch as such (it has no batch RPCs, or takes
-    /// shorter ones): the caller, which still holds its request, sends it alone.
+    /// shorter ones), or had no room for this call's answer in its reply: the
+    /// caller, which still holds its request, sends it alone.
     SendAlone,
 }
 
@@ -285,7 +288,13 @@ impl<R: BatchRpc + Send> Batcher<R> {
         match R::batch(self.stub.clone(), requests, timeout).await {
             Ok(results) if results.len() == count => {
                 for (reply, result) in replies.into_iter().zip(results) {
-                    let _ = reply.send(Reply::Answer(result));
+                    let answer = match result {
+                        // The batch's reply was full (large stored responses):
+                        // this call fits alone.
+                        Err(status) if is_reply_full(&status) => Reply::SendAlone,
+                        result => Reply::Answer(result),
+                    };
+                    let _ = reply.send(answer);
                 }
             }
             Ok(results) => {
@@ -300,8 +309,11 @@ impl<R: BatchRpc + Send> Batcher<R> {
                 self.unsupported.store(true, Ordering::Relaxed);
                 send_alone(replies);
             }
-            // The batch is longer than the server takes: smaller ones from now on.
-            Err(status) if status.code() == Code::InvalidArgument => {
+            // The batch is longer than the server takes (more calls, or more
+            // bytes than its message limit, OUT_OF_RANGE, with `max_bytes`
+            // set above it): smaller ones from now on. Not the calls' own
+            // refusal, so each is sent again alone and answered for itself.
+            Err(status) if matches!(status.code(), Code::InvalidArgument | Code::OutOfRange) => {
                 let halved = (count / 2).max(1);
                 self.max_items.fetch_min(halved, Ordering::Relaxed);
                 tracing::info!(
@@ -313,6 +325,15 @@ impl<R: BatchRpc + Send> Batcher<R> {
             Err(status) => answer_all(replies, &status),
         }
     }
+}
+
+/// The server's answer to a batch item that did not fit in the reply.
+fn is_reply_full(status: &Status) -> bool {
+    use tonic_types::StatusExt;
+    status.code() == Code::ResourceExhausted
+        && status
+            .get_details_error_info()
+            .is_some_and(|info| info.reason == "BATCH_REPLY_FULL")
 }
 
 fn answer_all<T>(replies: Vec<tokio::sync::oneshot::Sender<Reply<T>>>, status: &Status) {

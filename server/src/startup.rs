@@ -78,11 +78,6 @@ impl Drop for BackgroundTasks {
     }
 }
 
-/// gRPC messages may carry a stored response plus its envelope; refuse far
-/// larger ones at the transport, leave the exact limit to validation so the
-/// caller gets INVALID_ARGUMENT naming it.
-const MIN_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
-
 /// How often the pool's connection counts are published.
 const POOL_GAUGE_INTERVAL: Duration = Duration::from_secs(5);
 
@@ -242,7 +237,7 @@ impl Application {
         let reflection_v1 = reflection().build_v1()?;
         let reflection_v1alpha = reflection().build_v1alpha()?;
 
-        let max_message = MIN_MESSAGE_BYTES.max(config.limits.max_response_bytes.saturating_mul(2));
+        let max_message = config.limits.max_message_bytes();
         let mut engine = Engine::new(store, config.limits.clone());
         if let Some(settings) = config.replay_cache {
             engine = engine.with_replay_cache(ReplayCache::new(settings));

@@ -18,6 +18,10 @@ pub struct Limits {
 /// Below a second a lease or lifetime is more likely a unit mistake than an intent.
 const MIN_DURATION: Duration = Duration::from_secs(1);
 
+/// The smallest gRPC message size limit: gRPC's customary 4 MiB, which
+/// clients in every language accept by default.
+const MIN_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+
 impl Default for Limits {
     fn default() -> Self {
         Self {
@@ -47,6 +51,15 @@ impl Limits {
             return Err(InvalidField::new("max_batch_items", "must be at least 1"));
         }
         Ok(())
+    }
+
+    /// The largest gRPC message, read or written: the larger of 4 MiB and
+    /// twice the largest stored response, so that a call carrying one stored
+    /// response with its envelope always fits. Far larger requests are
+    /// refused at the transport; the exact response limit is left to
+    /// validation, so that the caller gets INVALID_ARGUMENT naming it.
+    pub fn max_message_bytes(&self) -> usize {
+        MIN_MESSAGE_BYTES.max(self.max_response_bytes.saturating_mul(2))
     }
 
     /// The record lifetime to use: the request's, or the default.

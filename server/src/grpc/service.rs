@@ -2,7 +2,11 @@
 //! A batch RPC runs its items as the unary calls, concurrently, so that the
 //! store's group commit puts them in shared statements.
 
-use std::{collections::HashMap, future::Future};
+use std::{
+    collections::HashMap,
+    future::Future,
+    sync::atomic::{AtomicUsize, Ordering},
+};
 
 use futures_util::future::join_all;
 use tonic::{Request, Response, Status};
@@ -11,7 +15,7 @@ use super::{
     convert,
     metrics::{CallMetrics, record_batch_items},
     pb,
-    status::{to_rpc_status, to_status},
+    status::{batch_reply_full, to_rpc_status, to_status},
 };
 use crate::{domain::InvalidField, engine::Engine, metrics::NamespaceLabels};
 
@@ -76,8 +80,9 @@ impl GrpcService {
         result
     }
 
-    /// Checks a batch's size, runs its items, and turns each error into the
-    /// `google.rpc.Status` the unary call would have sent.
+    /// Checks a batch's size, runs its items, keeps the reply within the
+    /// message size limit, and turns each error into the `google.rpc.Status`
+    /// the unary call would have sent.
     async fn run_batch<Req, T, Fut>(
         &self,
         rpc: &'static str,
@@ -87,10 +92,17 @@ impl GrpcService {
     ) -> Result<Vec<Result<T, tonic_types::pb::Status>>, Status>
     where
         Fut: Future<Output = Result<T, Status>>,
+        T: prost::Message,
     {
         self.check_batch(rpc, requests.len())?;
         record_batch_items(rpc, requests.len());
-        let answers = in_rounds(requests, record, run).await;
+        let budget = ReplyBudget::new(self.engine.limits().max_message_bytes());
+        let answers = in_rounds(requests, record, |item| {
+            let answer = run(item);
+            let budget = &budget;
+            async move { budget.admit(answer.await) }
+        })
+        .await;
         Ok(answers
             .into_iter()
             .map(|answer| answer.map_err(|status| to_rpc_status(&status)))
@@ -248,6 +260,45 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
             })
             .collect();
         Ok(Response::new(pb::BatchCompleteResponse { results }))
+    }
+}
+
+/// Room in a batch's reply kept for its items' errors (a few hundred bytes
+/// each at most) and the reply's own framing.
+const REPLY_HEADROOM: usize = 64 * 1024;
+/// An answer's field tags and length prefixes in the reply.
+const ANSWER_FRAMING: usize = 16;
+
+/// Keeps a batch's reply within the message size limit, which is also what
+/// gRPC clients accept by default. Replays carry stored responses of up to
+/// a MiB each, so a small request (a hundred Acquires of one large record)
+/// could otherwise ask for a reply of a hundred MiB, held in memory twice.
+/// Answers are counted as they come (a round's items finish in any order);
+/// one that does not fit is dropped at once, and its caller told to send it
+/// alone. The first answer always fits: a unary reply holds it.
+struct ReplyBudget {
+    max: usize,
+    used: AtomicUsize,
+}
+
+impl ReplyBudget {
+    fn new(max_message_bytes: usize) -> Self {
+        Self {
+            max: max_message_bytes.saturating_sub(REPLY_HEADROOM),
+            used: AtomicUsize::new(0),
+        }
+    }
+
+    fn admit<T: prost::Message>(&self, answer: Result<T, Status>) -> Result<T, Status> {
+        let Ok(value) = answer else { return answer };
+        let bytes = value.encoded_len() + ANSWER_FRAMING;
+        let before = self.used.fetch_add(bytes, Ordering::Relaxed);
+        if before == 0 || before + bytes <= self.max {
+            Ok(value)
+        } else {
+            self.used.fetch_sub(bytes, Ordering::Relaxed);
+            Err(batch_reply_full(self.max))
+        }
     }
 }
 

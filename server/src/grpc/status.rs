@@ -24,11 +24,26 @@ pub mod reason {
     pub const DATABASE_UNAVAILABLE: &str = "DATABASE_UNAVAILABLE";
     pub const CONTENTION: &str = "CONTENTION";
     pub const INTERNAL: &str = "INTERNAL";
+    /// Batch items only: the answer did not fit in the batch's reply.
+    pub const BATCH_REPLY_FULL: &str = "BATCH_REPLY_FULL";
 }
 
 fn with_reason(code: Code, message: String, reason: &str) -> Status {
     let details = ErrorDetails::with_error_info(reason, DOMAIN, HashMap::new());
     Status::with_error_details(code, message, details)
+}
+
+/// A batch item whose answer would carry the batch's reply past `max_bytes`:
+/// the caller sends it again alone, where it fits.
+pub fn batch_reply_full(max_bytes: usize) -> Status {
+    with_reason(
+        Code::ResourceExhausted,
+        format!(
+            "this item's answer did not fit in the batch's reply ({max_bytes} bytes at most); \
+             send it alone"
+        ),
+        reason::BATCH_REPLY_FULL,
+    )
 }
 
 /// The `google.rpc.Status` of a failed batch item: exactly what the unary

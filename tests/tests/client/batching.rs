@@ -519,3 +519,68 @@ async fn a_caller_that_stops_polling_does_not_hold_up_the_calls_behind_it() {
         .unwrap();
     assert!(matches!(parked, Ok(Acquisition::Proceed(_))), "{parked:?}");
 }
+
+#[tokio::test]
+async fn a_batch_over_the_servers_message_limit_is_resent_call_by_call() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    // `max_bytes` far above the server's 4 MiB message limit: eight
+    // responses of 900 kB (each within the 1 MiB response limit) leave
+    // together, 7 MB in one BatchComplete, which the server's transport
+    // refuses as a whole (OUT_OF_RANGE).
+    let client = Client::builder()
+        .endpoint(format!("http://{}", server.addr))
+        .batching(Some(Batching {
+            max_bytes: 64 * 1024 * 1024,
+            ..Batching::default()
+        }))
+        .retry(RetryPolicy::none())
+        .connect_lazy()
+        .unwrap();
+    let requests: Vec<AcquireRequest> = (0..8).map(|_| request("over-limit")).collect();
+    let mut leases = Vec::new();
+    for request in &requests {
+        leases.push(proceed(&client, request).await);
+    }
+    let response = StoredResponse::new(200, vec![b'x'; 900 * 1024]);
+
+    // Made in one poll of one task, so that they share one batch.
+    let results =
+        futures_util::future::join_all(leases.iter_mut().map(|lease| lease.complete(&response)))
+            .await;
+
+    // Each call is its own: none was refused for the batch it rode in.
+    for result in results {
+        assert!(result.is_ok(), "{result:?}");
+    }
+    for request in &requests {
+        let record = client.get(&request.id).await.unwrap().unwrap();
+        assert_eq!(record.response.map(|r| r.body.len()), Some(900 * 1024));
+    }
+}
+
+#[tokio::test]
+async fn replays_too_large_to_share_a_reply_are_each_answered() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let client = batching_client(server.addr);
+    let large = StoredResponse::new(200, vec![b'x'; 1_000_000]);
+    let request = request("large-replays");
+    proceed(&client, &request)
+        .await
+        .complete(&large)
+        .await
+        .unwrap();
+
+    // Eight at once: one batch, whose reply holds about four of them (the
+    // server keeps a reply within its 4 MiB message limit); the others come
+    // back to be sent alone.
+    let outcomes = futures_util::future::join_all((0..8).map(|_| client.acquire(&request))).await;
+
+    for outcome in outcomes {
+        match outcome {
+            Ok(Acquisition::Replay(response)) => assert_eq!(response, large),
+            other => panic!("{other:?}"),
+        }
+    }
+}

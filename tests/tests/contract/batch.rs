@@ -401,3 +401,52 @@ async fn a_batched_acquire_that_waited_past_its_lease_is_answered_with_a_live_on
         .await
         .expect("the holder's token still holds the record");
 }
+
+#[tokio::test]
+async fn a_batch_reply_stays_within_the_message_limit_and_what_does_not_fit_is_sent_alone() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    // A stub with gRPC's default 4 MiB receive limit, as clients in most
+    // languages have, which is also the server's message limit.
+    let mut client = server.client.clone();
+    let large = pb::StoredResponse {
+        status_code: 200,
+        body: vec![b'x'; 1_000_000],
+        ..Default::default()
+    };
+    let id = record_id(&unique_key("large-replay"));
+    let t = token(&acquire(&mut client, &id, b"fp").await);
+    complete(&mut client, &id, t, large.clone()).await.unwrap();
+    let fresh = [
+        record_id(&unique_key("fresh")),
+        record_id(&unique_key("fresh")),
+    ];
+
+    // Eight replays of a 1 MB response (8 MB of answers) and two new keys.
+    let mut requests: Vec<_> = fresh.iter().map(|id| acquire_item(id, b"fp")).collect();
+    requests.extend((0..8).map(|_| acquire_item(&id, b"fp")));
+    let outcomes = batch_acquire(&mut client, requests).await;
+
+    for fresh in &outcomes[..2] {
+        assert!(matches!(fresh, Ok(Outcome::Acquired(_))), "{fresh:?}");
+    }
+    // Items of one record run in order, so the first four replays fill the
+    // reply (4 MiB less room for errors) and the last four are sent back.
+    for (item, outcome) in outcomes.into_iter().skip(2).enumerate() {
+        if item < 4 {
+            match outcome {
+                Ok(Outcome::Completed(completed)) => {
+                    assert_eq!(completed.response.as_ref(), Some(&large));
+                }
+                other => panic!("replay {item}: {other:?}"),
+            }
+        } else {
+            assert_error(outcome, Code::ResourceExhausted, "BATCH_REPLY_FULL");
+        }
+    }
+    // Alone, a deferred item is answered.
+    match acquire(&mut client, &id, b"fp").await {
+        Outcome::Completed(completed) => assert_eq!(completed.response, Some(large)),
+        other => panic!("{other:?}"),
+    }
+}
