@@ -62,7 +62,15 @@ fn is_transient(error: &sqlx::Error) -> bool {
             // or cancel; 40001/40P01: serialization failure or deadlock;
             // 55P03: lock timeout; 25006: read-only transaction (a failover
             // left us on a standby until the connection is replaced).
+            // 28: our role may not log in (a password rotated in Postgres
+            // before the service's secret); 3D000: our database is missing;
+            // 42501: our role lost a privilege. Those are the operator's to
+            // fix, not the caller's: until then the service is unavailable,
+            // so clients back off (or fail open) instead of treating it as a
+            // bug of their request.
             code.starts_with("08")
+                || code.starts_with("28")
+                || matches!(&*code, "3D000" | "42501")
                 || code.starts_with("53")
                 || code.starts_with("58")
                 || code.starts_with("57P0")

@@ -210,3 +210,26 @@ async fn connections_postgres_ended_fail_one_call_each_and_are_not_used_again() 
         );
     }
 }
+
+#[tokio::test]
+async fn a_database_the_service_may_not_use_answers_unavailable_not_internal() {
+    let db = TestDb::new().await;
+    // The cluster's role without a database (3D000), and a role the cluster
+    // does not know (28000): how a dropped database or a rotated password
+    // shows, until an operator mends it.
+    let missing_database = db.connect_options().database("no_such_database");
+    let unknown_role = db.connect_options().username("no_such_role");
+    for options in [missing_database, unknown_role] {
+        let settings = PoolSettings {
+            acquire_timeout: Duration::from_secs(2),
+            ..PoolSettings::default()
+        };
+        let server = TestServer::start_with(test_config(), db::pool(options, &settings)).await;
+        let mut client = server.client.clone();
+
+        let refused = try_acquire(&mut client, &record_id(&unique_key("refused")), b"").await;
+
+        assert_error(refused, Code::Unavailable, "DATABASE_UNAVAILABLE");
+        server.stop().await;
+    }
+}
