@@ -86,7 +86,7 @@ pub struct ServeArgs {
     pub max_batch_items: usize,
 
     /// How often the database is probed for the health service.
-    #[arg(long, env = "IDEMPOTENCY_HEALTH_CHECK_INTERVAL", default_value = "5s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "IDEMPOTENCY_HEALTH_CHECK_INTERVAL", default_value = "5s", value_parser = positive_duration)]
     pub health_check_interval: Duration,
     /// On SIGTERM, how long in-flight calls may take to finish.
     #[arg(long, env = "IDEMPOTENCY_DRAIN_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
@@ -99,7 +99,7 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub reaper: ReaperArgs,
     /// How often table size and row counts are refreshed for /metrics.
-    #[arg(long, env = "IDEMPOTENCY_STATS_INTERVAL", default_value = "60s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "IDEMPOTENCY_STATS_INTERVAL", default_value = "60s", value_parser = positive_duration)]
     pub stats_interval: Duration,
     /// Let concurrent Acquires, and concurrent Completes, share one statement
     /// and one commit (group commit). Off: one statement per call.
@@ -141,10 +141,10 @@ pub struct ServeArgs {
 #[derive(Debug, Clone, Args)]
 pub struct ReaperArgs {
     /// Time between reaper runs.
-    #[arg(long, env = "IDEMPOTENCY_REAPER_INTERVAL", default_value = "60s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "IDEMPOTENCY_REAPER_INTERVAL", default_value = "60s", value_parser = positive_duration)]
     pub reaper_interval: Duration,
     /// Rows deleted per statement.
-    #[arg(long, env = "IDEMPOTENCY_REAPER_BATCH_SIZE", default_value_t = 1000)]
+    #[arg(long, env = "IDEMPOTENCY_REAPER_BATCH_SIZE", default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
     pub reaper_batch_size: u32,
     /// Pause between two delete statements.
     #[arg(long, env = "IDEMPOTENCY_REAPER_BATCH_PAUSE", default_value = "50ms", value_parser = humantime::parse_duration)]
@@ -153,7 +153,8 @@ pub struct ReaperArgs {
     #[arg(
         long,
         env = "IDEMPOTENCY_REAPER_MAX_PER_RUN",
-        default_value_t = 1_000_000
+        default_value_t = 1_000_000,
+        value_parser = clap::value_parser!(u64).range(1..)
     )]
     pub reaper_max_per_run: u64,
 }
@@ -252,6 +253,16 @@ pub struct MigrateArgs {
     pub database: DatabaseArgs,
     #[command(flatten)]
     pub log: LogArgs,
+}
+
+/// A period of a background loop: zero is refused, as it would stop the
+/// loop (a ticker of zero panics in its task) while the process serves on.
+fn positive_duration(text: &str) -> Result<Duration, String> {
+    match humantime::parse_duration(text) {
+        Ok(duration) if duration.is_zero() => Err("must be longer than 0".to_owned()),
+        Ok(duration) => Ok(duration),
+        Err(error) => Err(error.to_string()),
+    }
 }
 
 #[derive(Debug, Clone, Args)]
@@ -384,6 +395,27 @@ mod tests {
         );
         let zero = serve(&["--worker-threads", "0"]).unwrap_err().to_string();
         assert!(zero.contains("--worker-threads"), "{zero}");
+    }
+
+    #[test]
+    fn background_periods_and_reaper_limits_refuse_zero() {
+        let serve = |extra: &[&str]| {
+            let args = ["serve", "--database-url", "postgres://db/x"];
+            ServeArgs::try_parse_from(args.iter().chain(extra))
+        };
+        for (flag, zero) in [
+            ("--health-check-interval", "0s"),
+            ("--stats-interval", "0s"),
+            ("--reaper-interval", "0ms"),
+            ("--reaper-batch-size", "0"),
+            ("--reaper-max-per-run", "0"),
+        ] {
+            let error = serve(&[flag, zero]).unwrap_err().to_string();
+            assert!(error.contains(flag), "{flag} {zero}: {error}");
+        }
+        let args = serve(&["--reaper-interval", "1s", "--reaper-batch-size", "1"]).unwrap();
+        assert_eq!(args.reaper.reaper_interval, Duration::from_secs(1));
+        assert_eq!(args.reaper.reaper_batch_size, 1);
     }
 
     #[test]

@@ -48,7 +48,15 @@ pub async fn reap_once(pool: &PgPool, limits: &ReapLimits) -> StoreResult<ReapRe
     // The lock lives in this session, so the whole run uses one connection of
     // its own, outside the pool: if the run is cut short, dropping the
     // connection closes the session and so releases the lock.
-    let mut connection = PgConnection::connect_with(&pool.connect_options()).await?;
+    //
+    // Connecting waits no longer than a call waits for a pooled connection:
+    // a database host that stopped answering must not hold the run (and a
+    // CronJob's pod) for the system's TCP timeout, minutes.
+    let options = pool.connect_options();
+    let connect = PgConnection::connect_with(&options);
+    let mut connection = tokio::time::timeout(pool.options().get_acquire_timeout(), connect)
+        .await
+        .map_err(|_| sqlx::Error::PoolTimedOut)??;
     let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
         .bind(REAPER_LOCK)
         .fetch_one(&mut connection)

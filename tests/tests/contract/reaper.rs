@@ -181,3 +181,37 @@ async fn rows_deleted_before_a_run_fails_are_still_counted() {
         1.0
     );
 }
+
+#[tokio::test]
+async fn a_database_host_that_stops_answering_fails_the_run_within_the_acquire_timeout() {
+    // Accepts connections and never answers, like a host that went away
+    // behind a load balancer: no refusal, no reset.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let options = sqlx::postgres::PgConnectOptions::new()
+        .host("127.0.0.1")
+        .port(silent.local_addr().unwrap().port())
+        .username("postgres");
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(300))
+        .connect_lazy_with(options);
+    let held = tokio::spawn(async move {
+        let mut accepted = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            accepted.push(socket);
+        }
+    });
+
+    let run = tokio::time::timeout(
+        Duration::from_secs(20),
+        reaper::reap_once(&pool, &limits(1000)),
+    )
+    .await
+    .expect("the run ended instead of waiting on the silent host");
+
+    let error = run.unwrap_err();
+    assert!(
+        matches!(error, idempotency_server::store::StoreError::Unavailable(_)),
+        "{error:?}"
+    );
+    held.abort();
+}
