@@ -10,7 +10,8 @@
 //! - [`store`]: the only module with SQL;
 //! - [`domain`]: the types every layer speaks (ids, fingerprints, responses, limits).
 //!
-//! Around them: [`db`] (pool and migrations), [`health`] (the database probe
+//! Around them: [`security`] (TLS, caller identity, the namespace policy;
+//! applied to calls by `grpc::auth`), [`db`] (pool and migrations), [`health`] (the database probe
 //! behind `grpc.health.v1`), [`telemetry`] (logs and the metrics recorder),
 //! [`shutdown`] (the process signal).
 #![forbid(unsafe_code)]
@@ -25,6 +26,7 @@ pub mod health;
 pub mod maintenance;
 pub mod metrics;
 pub mod replay_cache;
+pub mod security;
 pub mod settings;
 pub mod shutdown;
 pub mod startup;

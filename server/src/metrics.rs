@@ -32,6 +32,12 @@ pub const REAPER_RUNS_TOTAL: &str = "idempotency_reaper_runs_total";
 pub const REAPER_DURATION_SECONDS: &str = "idempotency_reaper_duration_seconds";
 pub const REAPER_LAST_SUCCESS_TIMESTAMP_SECONDS: &str =
     "idempotency_reaper_last_success_timestamp_seconds";
+pub const AUTH_MODE: &str = "idempotency_auth_mode";
+pub const AUTH_DENIED_TOTAL: &str = "idempotency_auth_denied_total";
+pub const CONFIG_RELOADS_TOTAL: &str = "idempotency_config_reloads_total";
+pub const CONFIG_FILE_VALID: &str = "idempotency_config_file_valid";
+pub const TLS_CERTIFICATE_EXPIRY_SECONDS: &str =
+    "idempotency_tls_certificate_expiry_timestamp_seconds";
 
 /// Registers the HELP text of every metric.
 pub fn describe() {
@@ -124,6 +130,47 @@ pub fn describe() {
         Unit::Seconds,
         "Unix time of the last successful reaper run in this process."
     );
+    describe_gauge!(
+        AUTH_MODE,
+        "1 for the security mode in force: none (no TLS, no auth: anyone who reaches the port \
+         may do anything), tls (TLS, no auth), auth (callers authenticated, namespaces enforced)."
+    );
+    describe_counter!(
+        AUTH_DENIED_TOTAL,
+        "Calls and batch items refused by authentication or the namespace policy, by reason."
+    );
+    describe_counter!(
+        CONFIG_RELOADS_TOTAL,
+        "Changed security files (tls, policy, jwks, static_tokens) read again, by result: \
+         success, or error (the last good version stays in force)."
+    );
+    describe_gauge!(
+        CONFIG_FILE_VALID,
+        "1 while the security file on disk is the version in force; 0 when its last change did \
+         not parse and an older version serves."
+    );
+    describe_gauge!(
+        TLS_CERTIFICATE_EXPIRY_SECONDS,
+        Unit::Seconds,
+        "Unix time at which the gRPC port's certificate in force expires."
+    );
+}
+
+/// A security file was read at start (`loaded`) or after a change.
+pub fn config_file_loaded(kind: &'static str, valid: bool) {
+    metrics::gauge!(CONFIG_FILE_VALID, "file" => kind).set(if valid { 1.0 } else { 0.0 });
+}
+
+/// A changed security file was read again: in force now, or refused.
+pub fn config_reloaded(kind: &'static str, success: bool) {
+    let result = if success { "success" } else { "error" };
+    metrics::counter!(CONFIG_RELOADS_TOTAL, "file" => kind, "result" => result).increment(1);
+    config_file_loaded(kind, success);
+}
+
+/// A call or batch item refused by authentication or the policy.
+pub fn auth_denied(reason: &'static str) {
+    metrics::counter!(AUTH_DENIED_TOTAL, "reason" => reason).increment(1);
 }
 
 /// Times a database statement; records on drop, so failed ones count too.

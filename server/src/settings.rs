@@ -2,7 +2,7 @@
 //! `IDEMPOTENCY_*` variable (the database URL reads `DATABASE_URL`); defaults
 //! show in `--help`; durations read like `30s`, `24h`, `7d`.
 
-use std::{fmt, net::SocketAddr, str::FromStr, time::Duration};
+use std::{fmt, net::SocketAddr, path::PathBuf, str::FromStr, time::Duration};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
@@ -50,12 +50,28 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub log: LogArgs,
 
-    /// Address of the gRPC API.
-    #[arg(long, env = "IDEMPOTENCY_GRPC_ADDR", default_value = "0.0.0.0:50051")]
+    /// Address of the gRPC API. Loopback by default: serving other hosts is
+    /// a decision (`0.0.0.0:50051`), best taken with TLS and auth on.
+    #[arg(long, env = "IDEMPOTENCY_GRPC_ADDR", default_value = "127.0.0.1:50051")]
     pub grpc_addr: SocketAddr,
-    /// Address of the Prometheus /metrics endpoint.
-    #[arg(long, env = "IDEMPOTENCY_METRICS_ADDR", default_value = "0.0.0.0:9090")]
+    /// Address of the Prometheus /metrics endpoint (plain HTTP, no auth).
+    #[arg(
+        long,
+        env = "IDEMPOTENCY_METRICS_ADDR",
+        default_value = "127.0.0.1:9090"
+    )]
     pub metrics_addr: SocketAddr,
+    /// Also serve grpc.health.v1 alone, in plain text and without auth, on
+    /// this address: for probes that speak neither TLS nor a credential
+    /// (Kubernetes' gRPC probes). Health stays on the gRPC port as well.
+    #[arg(long, env = "IDEMPOTENCY_HEALTH_ADDR")]
+    pub health_addr: Option<SocketAddr>,
+    /// Serve gRPC server reflection (v1 and v1alpha). With auth on it answers
+    /// only authenticated callers the policy names.
+    #[arg(long, env = "IDEMPOTENCY_REFLECTION", default_value_t = true, action = clap::ArgAction::Set)]
+    pub reflection: bool,
+    #[command(flatten)]
+    pub security: SecurityArgs,
     /// Apply migrations before serving.
     #[arg(long, env = "IDEMPOTENCY_MIGRATE")]
     pub migrate: bool,
@@ -135,6 +151,71 @@ pub struct ServeArgs {
         default_value_t = 200
     )]
     pub metrics_max_namespaces: usize,
+}
+
+/// TLS on the gRPC port, caller identity and the namespace policy
+/// (docs/security.md). Every file is re-read when it changes.
+#[derive(Debug, Clone, Args)]
+pub struct SecurityArgs {
+    /// PEM certificate chain of the gRPC port; with --tls-key turns TLS on.
+    #[arg(long, env = "IDEMPOTENCY_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert (PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, env = "IDEMPOTENCY_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// PEM CA certificates that client certificates are verified against:
+    /// turns on mTLS identity (the certificate's URI SAN, else its DNS SAN,
+    /// is the principal). Needs --tls-cert.
+    #[arg(long, env = "IDEMPOTENCY_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+    /// JWKS file (JSON) that `authorization: Bearer <JWT>` tokens are
+    /// verified against (RS256, ES256); `sub` is the principal. Needs
+    /// --jwt-issuer and --jwt-audience.
+    #[arg(long, env = "IDEMPOTENCY_JWT_JWKS", requires_all = ["jwt_issuer", "jwt_audience"])]
+    pub jwt_jwks: Option<PathBuf>,
+    /// The `iss` every JWT must carry, e.g. https://kubernetes.default.svc.cluster.local.
+    #[arg(long, env = "IDEMPOTENCY_JWT_ISSUER", requires = "jwt_jwks")]
+    pub jwt_issuer: Option<String>,
+    /// The `aud` every JWT must include, e.g. idempotency.
+    #[arg(long, env = "IDEMPOTENCY_JWT_AUDIENCE", requires = "jwt_jwks")]
+    pub jwt_audience: Option<String>,
+    /// TOML file of static bearer tokens, stored as SHA-256 hashes, for
+    /// callers outside the cluster (docs/security.md shows the format).
+    #[arg(long, env = "IDEMPOTENCY_STATIC_TOKENS")]
+    pub static_tokens: Option<PathBuf>,
+    /// TOML policy: which principals may use which namespaces, and how.
+    /// Required once any credential (client CA, JWKS, static tokens) is on.
+    #[arg(long, env = "IDEMPOTENCY_AUTH_POLICY")]
+    pub auth_policy: Option<PathBuf>,
+    /// How often the certificate, key, CA, JWKS, token and policy files are
+    /// checked for changes.
+    #[arg(long, env = "IDEMPOTENCY_RELOAD_INTERVAL", default_value = "10s", value_parser = positive_duration)]
+    pub reload_interval: Duration,
+}
+
+impl SecurityArgs {
+    pub fn config(&self) -> crate::security::SecurityConfig {
+        use crate::security::{credentials::JwtSettings, tls::TlsFiles};
+        crate::security::SecurityConfig {
+            tls: self
+                .tls_cert
+                .clone()
+                .zip(self.tls_key.clone())
+                .map(|(cert, key)| TlsFiles {
+                    cert,
+                    key,
+                    client_ca: self.tls_client_ca.clone(),
+                }),
+            jwt: self.jwt_jwks.clone().map(|jwks| JwtSettings {
+                jwks,
+                issuer: self.jwt_issuer.clone().unwrap_or_default(),
+                audience: self.jwt_audience.clone().unwrap_or_default(),
+            }),
+            static_tokens: self.static_tokens.clone(),
+            policy: self.auth_policy.clone(),
+            reload_interval: self.reload_interval,
+        }
+    }
 }
 
 /// How expired records are deleted.

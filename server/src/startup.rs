@@ -12,11 +12,17 @@ use tonic_health::ServingStatus;
 use crate::{
     domain::Limits,
     engine::Engine,
-    grpc::{GrpcService, pb, service::IdempotencyServiceServer},
+    grpc::{
+        GrpcService,
+        auth::{AuthLayer, Authorizer},
+        pb,
+        service::IdempotencyServiceServer,
+    },
     health, maintenance,
     maintenance::ReaperSettings,
     metrics::NamespaceLabels,
     replay_cache::{ReplayCache, ReplayCacheSettings},
+    security::{self, Mode, Security, SecurityConfig},
     settings::ServeArgs,
     store::{Store, batch::BatchSettings},
     telemetry,
@@ -28,6 +34,12 @@ pub struct ServerConfig {
     pub grpc_addr: SocketAddr,
     /// Where to serve `/metrics`; `None` serves no metrics endpoint.
     pub metrics_addr: Option<SocketAddr>,
+    /// Where to serve grpc.health.v1 alone, in plain text, for probes.
+    pub health_addr: Option<SocketAddr>,
+    /// Serve gRPC reflection.
+    pub reflection: bool,
+    /// TLS, caller identity and the namespace policy.
+    pub security: SecurityConfig,
     pub limits: Limits,
     pub health_check_interval: Duration,
     pub drain_timeout: Duration,
@@ -48,6 +60,9 @@ impl ServerConfig {
         Self {
             grpc_addr: args.grpc_addr,
             metrics_addr: Some(args.metrics_addr),
+            health_addr: args.health_addr,
+            reflection: args.reflection,
+            security: args.security.config(),
             limits: args.limits(),
             health_check_interval: args.health_check_interval,
             drain_timeout: args.drain_timeout,
@@ -91,6 +106,8 @@ const POOL_CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
 pub enum StartupError {
     #[error("invalid setting {0}")]
     Settings(#[from] crate::domain::InvalidField),
+    #[error("security settings: {0}")]
+    Security(#[from] security::SecurityError),
     #[error("binding {addr}")]
     Bind {
         addr: SocketAddr,
@@ -136,6 +153,8 @@ fn check_pool_fits_batching(pool: &PgPool, batching: BatchSettings) -> Result<()
 pub struct Application {
     grpc_listener: TcpListener,
     metrics_listener: Option<TcpListener>,
+    health_listener: Option<TcpListener>,
+    security: Security,
     store: Store,
     config: ServerConfig,
 }
@@ -149,18 +168,28 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener, StartupError> {
 impl Application {
     /// Binds the listeners; nothing is served until [`Self::run_until_stopped`].
     pub async fn build(config: ServerConfig, pool: PgPool) -> Result<Self, StartupError> {
+        // Install the recorder first: loading the security files records
+        // gauges, and a metric recorded earlier goes nowhere.
+        telemetry::metrics_handle();
         config.limits.check()?;
         if let Some(batching) = config.batching {
             check_pool_fits_batching(&pool, batching)?;
         }
+        let security = Security::load(&config.security)?;
         let grpc_listener = bind(config.grpc_addr).await?;
         let metrics_listener = match config.metrics_addr {
+            Some(addr) => Some(bind(addr).await?),
+            None => None,
+        };
+        let health_listener = match config.health_addr {
             Some(addr) => Some(bind(addr).await?),
             None => None,
         };
         Ok(Self {
             grpc_listener,
             metrics_listener,
+            health_listener,
+            security,
             store: match config.batching {
                 Some(settings) => Store::with_batching(pool, settings),
                 None => Store::new(pool),
@@ -173,6 +202,14 @@ impl Application {
         self.grpc_listener
             .local_addr()
             .expect("a bound listener has an address")
+    }
+
+    pub fn health_addr(&self) -> Option<SocketAddr> {
+        self.health_listener.as_ref().map(|listener| {
+            listener
+                .local_addr()
+                .expect("a bound listener has an address")
+        })
     }
 
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
@@ -193,6 +230,8 @@ impl Application {
         let Self {
             grpc_listener,
             metrics_listener,
+            health_listener,
+            security,
             store,
             config,
         } = self;
@@ -224,6 +263,12 @@ impl Application {
         if let Some(listener) = metrics_listener {
             background.push(tokio::spawn(serve_metrics(listener, metrics)));
         }
+        if let Some(listener) = health_listener {
+            background.push(tokio::spawn(serve_health(listener, health_service.clone())));
+        }
+        background.push(tokio::spawn(
+            security.clone().watch(config.security.reload_interval),
+        ));
         let background = BackgroundTasks(background);
 
         // v1 for current tools, v1alpha for grpcurl 1.8 and older clients. The
@@ -234,8 +279,14 @@ impl Application {
                 .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
                 .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
         };
-        let reflection_v1 = reflection().build_v1()?;
-        let reflection_v1alpha = reflection().build_v1alpha()?;
+        let reflection_v1 = config
+            .reflection
+            .then(|| reflection().build_v1())
+            .transpose()?;
+        let reflection_v1alpha = config
+            .reflection
+            .then(|| reflection().build_v1alpha())
+            .transpose()?;
 
         let max_message = config.limits.max_message_bytes();
         let mut engine = Engine::new(store, config.limits.clone());
@@ -243,21 +294,40 @@ impl Application {
             engine = engine.with_replay_cache(ReplayCache::new(settings));
         }
         let namespaces = NamespaceLabels::new(config.max_metric_namespaces);
-        let api = IdempotencyServiceServer::new(GrpcService::new(engine, namespaces))
+        let authorizer = Authorizer::new(security.auth.clone());
+        let api = IdempotencyServiceServer::new(GrpcService::new(engine, namespaces, authorizer))
             .max_decoding_message_size(max_message);
 
-        tracing::info!(addr = %grpc_listener.local_addr().map_err(|source| StartupError::Bind { addr: config.grpc_addr, source })?, "serving gRPC");
-        let incoming = TcpIncoming::from(grpc_listener).with_nodelay(Some(true));
+        let addr = grpc_listener
+            .local_addr()
+            .map_err(|source| StartupError::Bind {
+                addr: config.grpc_addr,
+                source,
+            })?;
+        announce(addr, &security);
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let server = Server::builder()
+        let stopped = async {
+            let _ = stop_rx.await;
+        };
+        let router = Server::builder()
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
+            .layer(AuthLayer::new(security.auth.clone()))
             .add_service(health_service)
-            .add_service(reflection_v1)
-            .add_service(reflection_v1alpha)
-            .add_service(api)
-            .serve_with_incoming_shutdown(incoming, async {
-                let _ = stop_rx.await;
-            });
+            .add_optional_service(reflection_v1)
+            .add_optional_service(reflection_v1alpha)
+            .add_service(api);
+        let server: std::pin::Pin<
+            Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>,
+        > = match &security.tls {
+            Some(tls) => Box::pin(router.serve_with_incoming_shutdown(
+                security::tls::incoming(grpc_listener, tls.clone()),
+                stopped,
+            )),
+            None => Box::pin(router.serve_with_incoming_shutdown(
+                TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+                stopped,
+            )),
+        };
         tokio::pin!(server, shutdown);
 
         let result = tokio::select! {
@@ -293,6 +363,52 @@ impl Application {
         }
         tracing::info!("stopped");
         result
+    }
+}
+
+/// Says where the API is served and how exposed it is: loudly when anyone
+/// who reaches the port may read and write every namespace.
+fn announce(addr: SocketAddr, security: &Security) {
+    let mode = security.mode.as_str();
+    match security.mode {
+        Mode::None => tracing::warn!(
+            %addr,
+            mode,
+            "serving gRPC without TLS or authentication: whoever reaches this address may read \
+             and write every namespace's records; see docs/security.md to turn auth on"
+        ),
+        Mode::Tls => tracing::warn!(
+            %addr,
+            mode,
+            "serving gRPC over TLS without authentication: every caller may read and write every \
+             namespace's records; see docs/security.md to turn auth on"
+        ),
+        Mode::Auth => tracing::info!(
+            %addr,
+            mode,
+            tls = security.tls.is_some(),
+            "serving gRPC; callers authenticated, namespaces enforced"
+        ),
+    }
+}
+
+/// Serves grpc.health.v1 alone, in plain text and without auth, until aborted.
+async fn serve_health(
+    listener: TcpListener,
+    health: tonic_health::pb::health_server::HealthServer<
+        impl tonic_health::pb::health_server::Health,
+    >,
+) {
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "serving grpc.health.v1 for probes");
+    }
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    if let Err(error) = Server::builder()
+        .add_service(health)
+        .serve_with_incoming(incoming)
+        .await
+    {
+        tracing::error!(%error, "health endpoint stopped");
     }
 }
 

@@ -17,6 +17,10 @@ pub fn test_config() -> ServerConfig {
     ServerConfig {
         grpc_addr: "127.0.0.1:0".parse().unwrap(),
         metrics_addr: None,
+        health_addr: None,
+        reflection: true,
+        // Auth is opt-in, as for `make run`; the auth tests turn it on.
+        security: idempotency_server::security::SecurityConfig::default(),
         limits: Limits::default(),
         health_check_interval: Duration::from_millis(200),
         drain_timeout: Duration::from_secs(10),
@@ -40,6 +44,7 @@ pub fn server_pool(options: PgConnectOptions) -> PgPool {
 pub struct TestServer {
     pub addr: SocketAddr,
     pub metrics_addr: Option<SocketAddr>,
+    pub health_addr: Option<SocketAddr>,
     pub client: IdempotencyServiceClient<Channel>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<()>>,
@@ -61,6 +66,7 @@ impl TestServer {
         let app = Application::build(config, pool).await.expect("binding");
         let addr = app.grpc_addr();
         let metrics_addr = app.metrics_addr();
+        let health_addr = app.health_addr();
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             app.run_until_stopped(async {
@@ -69,10 +75,17 @@ impl TestServer {
             .await
             .expect("server ran");
         });
-        let client = IdempotencyServiceClient::new(Self::channel_to(addr).await);
+        // Lazy: a TLS server does not speak to this plain-text channel, and
+        // its tests make clients of their own.
+        let client = IdempotencyServiceClient::new(
+            Channel::from_shared(format!("http://{addr}"))
+                .unwrap()
+                .connect_lazy(),
+        );
         Self {
             addr,
             metrics_addr,
+            health_addr,
             client,
             stop: Some(stop),
             task: Some(task),

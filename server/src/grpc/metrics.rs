@@ -34,6 +34,11 @@ impl<'a> CallMetrics<'a> {
         }
     }
 
+    /// The RPC being counted.
+    pub fn rpc(&self) -> &'static str {
+        self.rpc
+    }
+
     /// Names the caller's namespace once the request parsed.
     pub fn namespace(&mut self, namespace: &str) {
         self.namespace = self.labels.label(namespace);
@@ -103,6 +108,8 @@ fn code_outcome(code: Code) -> &'static str {
         Code::FailedPrecondition => "failed_precondition",
         Code::Unavailable => "unavailable",
         Code::Cancelled => "cancelled",
+        Code::Unauthenticated => "unauthenticated",
+        Code::PermissionDenied => "permission_denied",
         _ => "internal",
     }
 }

@@ -1,10 +1,13 @@
 //! The gRPC surface: thin adapters from protobuf to the engine and back.
 //!
+//! - [`auth`]: who is calling ([`auth::AuthLayer`]) and whether they may touch
+//!   a namespace ([`auth::Authorizer`]), with auth on;
 //! - [`service`]: one method per RPC: convert, call the engine, convert back;
 //! - [`convert`]: protobuf <-> domain types, with field paths for errors;
 //! - [`status`]: the one place engine errors become `tonic::Status`;
 //! - [`metrics`]: per-call count and duration, recorded even when a call is cancelled.
 
+pub mod auth;
 pub mod convert;
 pub mod metrics;
 pub mod service;

@@ -12,12 +12,15 @@ use futures_util::future::join_all;
 use tonic::{Request, Response, Status};
 
 use super::{
+    auth::{Authorizer, Caller},
     convert,
     metrics::{CallMetrics, record_batch_items},
     pb,
     status::{batch_reply_full, to_rpc_status, to_status},
 };
-use crate::{domain::InvalidField, engine::Engine, metrics::NamespaceLabels};
+use crate::{
+    domain::InvalidField, engine::Engine, metrics::NamespaceLabels, security::policy::Access,
+};
 
 pub use pb::idempotency_service_server::IdempotencyServiceServer;
 
@@ -26,19 +29,46 @@ pub use pb::idempotency_service_server::IdempotencyServiceServer;
 pub struct GrpcService {
     engine: Engine,
     namespaces: NamespaceLabels,
+    authorizer: Authorizer,
+}
+
+/// The caller the auth layer established, if auth is on.
+fn caller_of<T>(request: &Request<T>) -> Option<Caller> {
+    request.extensions().get::<Caller>().cloned()
 }
 
 impl GrpcService {
-    pub fn new(engine: Engine, namespaces: NamespaceLabels) -> Self {
-        Self { engine, namespaces }
+    pub fn new(engine: Engine, namespaces: NamespaceLabels, authorizer: Authorizer) -> Self {
+        Self {
+            engine,
+            namespaces,
+            authorizer,
+        }
+    }
+
+    /// Refuses a call (or batch item) on a namespace the caller may not
+    /// touch, counting it, before the request is looked at further.
+    fn authorize(
+        &self,
+        call: &mut CallMetrics<'_>,
+        caller: Option<&Caller>,
+        id: Option<&pb::RecordId>,
+        access: Access,
+    ) -> Result<(), Status> {
+        let namespace = id.map_or("", |id| id.namespace.as_str());
+        self.authorizer
+            .check(caller, call.rpc(), namespace, access)
+            .inspect_err(|denied| call.finish(&Err::<(), _>(denied.clone())))
     }
 
     async fn acquire_one(
         &self,
         request: pb::AcquireRequest,
+        caller: Option<&Caller>,
     ) -> Result<pb::AcquireResponse, Status> {
         const RPC: &str = "Acquire";
         let mut call = CallMetrics::start(RPC, &self.namespaces);
+        self.authorize(&mut call, caller, request.id.as_ref(), Access::Write)?;
         let result = async {
             let request = convert::acquire_request(request)?;
             call.namespace(request.id.namespace());
@@ -61,9 +91,11 @@ impl GrpcService {
     async fn complete_one(
         &self,
         request: pb::CompleteRequest,
+        caller: Option<&Caller>,
     ) -> Result<pb::CompleteResponse, Status> {
         const RPC: &str = "Complete";
         let mut call = CallMetrics::start(RPC, &self.namespaces);
+        self.authorize(&mut call, caller, request.id.as_ref(), Access::Write)?;
         let result = async {
             let id = convert::record_id(request.id)?;
             call.namespace(id.namespace());
@@ -134,7 +166,8 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         &self,
         request: Request<pb::AcquireRequest>,
     ) -> Result<Response<pb::AcquireResponse>, Status> {
-        self.acquire_one(request.into_inner())
+        let caller = caller_of(&request);
+        self.acquire_one(request.into_inner(), caller.as_ref())
             .await
             .map(Response::new)
     }
@@ -143,7 +176,8 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         &self,
         request: Request<pb::CompleteRequest>,
     ) -> Result<Response<pb::CompleteResponse>, Status> {
-        self.complete_one(request.into_inner())
+        let caller = caller_of(&request);
+        self.complete_one(request.into_inner(), caller.as_ref())
             .await
             .map(Response::new)
     }
@@ -154,8 +188,15 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
     ) -> Result<Response<pb::FailResponse>, Status> {
         const RPC: &str = "Fail";
         let mut call = CallMetrics::start(RPC, &self.namespaces);
+        let caller = caller_of(&request);
+        let request = request.into_inner();
+        self.authorize(
+            &mut call,
+            caller.as_ref(),
+            request.id.as_ref(),
+            Access::Write,
+        )?;
         let result = async {
-            let request = request.into_inner();
             let id = convert::record_id(request.id)?;
             call.namespace(id.namespace());
             let token = convert::fencing_token(request.fencing_token)?;
@@ -179,8 +220,15 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
     ) -> Result<Response<pb::RenewResponse>, Status> {
         const RPC: &str = "Renew";
         let mut call = CallMetrics::start(RPC, &self.namespaces);
+        let caller = caller_of(&request);
+        let request = request.into_inner();
+        self.authorize(
+            &mut call,
+            caller.as_ref(),
+            request.id.as_ref(),
+            Access::Write,
+        )?;
         let result = async {
-            let request = request.into_inner();
             let id = convert::record_id(request.id)?;
             call.namespace(id.namespace());
             let token = convert::fencing_token(request.fencing_token)?;
@@ -200,8 +248,16 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
     ) -> Result<Response<pb::GetResponse>, Status> {
         const RPC: &str = "Get";
         let mut call = CallMetrics::start(RPC, &self.namespaces);
+        let caller = caller_of(&request);
+        let request = request.into_inner();
+        self.authorize(
+            &mut call,
+            caller.as_ref(),
+            request.id.as_ref(),
+            Access::Read,
+        )?;
         let result = async {
-            let id = convert::record_id(request.into_inner().id)?;
+            let id = convert::record_id(request.id)?;
             call.namespace(id.namespace());
             self.engine.get(&id).await
         }
@@ -220,13 +276,14 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         &self,
         request: Request<pb::BatchAcquireRequest>,
     ) -> Result<Response<pb::BatchAcquireResponse>, Status> {
+        let caller = caller_of(&request);
         let requests = request.into_inner().requests;
         let answers = self
             .run_batch(
                 "BatchAcquire",
                 requests,
                 |item| item.id.as_ref(),
-                |item| self.acquire_one(item),
+                |item| self.acquire_one(item, caller.as_ref()),
             )
             .await?;
         use pb::batch_acquire_result::Result as Item;
@@ -243,13 +300,14 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         &self,
         request: Request<pb::BatchCompleteRequest>,
     ) -> Result<Response<pb::BatchCompleteResponse>, Status> {
+        let caller = caller_of(&request);
         let requests = request.into_inner().requests;
         let answers = self
             .run_batch(
                 "BatchComplete",
                 requests,
                 |item| item.id.as_ref(),
-                |item| self.complete_one(item),
+                |item| self.complete_one(item, caller.as_ref()),
             )
             .await?;
         use pb::batch_complete_result::Result as Item;

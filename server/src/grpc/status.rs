@@ -26,6 +26,12 @@ pub mod reason {
     pub const INTERNAL: &str = "INTERNAL";
     /// Batch items only: the answer did not fit in the batch's reply.
     pub const BATCH_REPLY_FULL: &str = "BATCH_REPLY_FULL";
+    /// With auth on: no credential, or one that does not check out.
+    pub const UNAUTHENTICATED: &str = "UNAUTHENTICATED";
+    /// With auth on: the caller may not touch the namespace of this id.
+    pub const NAMESPACE_FORBIDDEN: &str = "NAMESPACE_FORBIDDEN";
+    /// With auth on: reflection for a caller the policy grants nothing.
+    pub const NOT_GRANTED: &str = "NOT_GRANTED";
 }
 
 fn with_reason(code: Code, message: String, reason: &str) -> Status {

@@ -352,7 +352,11 @@ async fn a_server_without_batch_rpcs_is_served_call_by_call() {
         Store::new(idempotency_tests::server_pool(db.connect_options())),
         Limits::default(),
     );
-    let service = WithoutBatches(GrpcService::new(engine, NamespaceLabels::new(10)));
+    let service = WithoutBatches(GrpcService::new(
+        engine,
+        NamespaceLabels::new(10),
+        idempotency_server::grpc::auth::Authorizer::default(),
+    ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let server = tokio::spawn(

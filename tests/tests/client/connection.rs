@@ -34,6 +34,7 @@ async fn the_client_speaks_tls_to_a_server_whose_certificate_it_trusts() {
             .add_service(IdempotencyServiceServer::new(GrpcService::new(
                 engine,
                 idempotency_server::metrics::NamespaceLabels::new(10),
+                idempotency_server::grpc::auth::Authorizer::default(),
             )))
             .serve_with_incoming(TcpIncoming::from(listener)),
     );
