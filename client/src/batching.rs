@@ -395,7 +395,7 @@ impl<R: BatchRpc + Send> Drop for Slot<R> {
 
 /// A failed item's `google.rpc.Status`, as the status the unary call would
 /// have failed with (its details keep ErrorInfo and BadRequest).
-fn item_status(status: tonic_types::pb::Status) -> Status {
+pub(crate) fn item_status(status: tonic_types::pb::Status) -> Status {
     let code = Code::from_i32(status.code);
     let message = status.message.clone();
     Status::with_details(code, message, Bytes::from(status.encode_to_vec()))

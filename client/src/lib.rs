@@ -63,7 +63,7 @@ pub mod http;
 
 pub use batching::Batching;
 pub use client::{Client, ClientBuilder, ClientOptions, RetryPolicy};
-pub use error::Error;
+pub use error::{Error, NAMESPACE_FORBIDDEN};
 pub use lease::{Acquisition, Lease};
 pub use run::{Attempt, Failure, OnUnavailable, Ran, RunError, RunOptions, UNSTORABLE_RESPONSE};
 pub use types::{AcquireRequest, Record, RecordId, RecordState, StoredResponse};

@@ -198,6 +198,15 @@ where
                 return pass_through(inner, request).await;
             }
         },
+        // The service refused this service's credentials, or its use of the
+        // namespace: a deployment's mistake, not an outage, so never run the
+        // handler unprotected, even failing open. Nothing ran and nothing
+        // was stored, so the end client may retry with the same key.
+        Err(error @ (Error::Unauthenticated { .. } | Error::PermissionDenied { .. })) => {
+            tracing::error!(%error, namespace = %acquire.id.namespace,
+                "the idempotency service refused this service: answering 500");
+            return Ok(problem::not_authorized());
+        }
         // The scope comes from the request (e.g. a subject too long): the client's fault.
         Err(Error::InvalidArgument {
             field: Some(field),
