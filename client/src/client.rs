@@ -14,9 +14,11 @@ use tonic::{
 
 use crate::{
     batching::{BatchRpc, Batcher, Batching},
+    credentials::{Credentials, TokenSource},
     error::{Error, is_transient},
     lease::{Acquisition, Lease},
-    pb::{self, idempotency_service_client::IdempotencyServiceClient},
+    pb,
+    transport::{Stub, Transport},
     types::{
         AcquireRequest, Record, RecordId, RecordState, StoredResponse, duration_from_pb,
         duration_to_pb, time_from_pb,
@@ -107,14 +109,14 @@ pub struct Client {
 
 #[derive(Debug)]
 struct Inner {
-    stub: IdempotencyServiceClient<Channel>,
+    stub: Stub,
     options: ClientOptions,
     acquires: Option<Arc<Batcher<pb::AcquireRequest>>>,
     completes: Option<Arc<Batcher<pb::CompleteRequest>>>,
 }
 
 impl Inner {
-    fn new(channel_stub: IdempotencyServiceClient<Channel>, options: ClientOptions) -> Self {
+    fn new(channel_stub: Stub, options: ClientOptions) -> Self {
         // Batch replies carry up to 100 stored responses: no 4 MiB cap.
         let stub = channel_stub.max_decoding_message_size(usize::MAX);
         let batching = options.batching.as_ref();
@@ -138,14 +140,21 @@ impl Client {
         ClientBuilder::new()
     }
 
-    /// Wraps a channel you built yourself.
+    /// Wraps a channel you built yourself (no bearer token).
     pub fn from_channel(channel: Channel) -> Self {
-        Self::new(channel, ClientOptions::default())
+        Self::new(
+            Transport::Channel(channel),
+            Credentials::default(),
+            ClientOptions::default(),
+        )
     }
 
-    fn new(channel: Channel, options: ClientOptions) -> Self {
+    fn new(transport: Transport, credentials: Credentials, options: ClientOptions) -> Self {
         Self {
-            inner: Arc::new(Inner::new(IdempotencyServiceClient::new(channel), options)),
+            inner: Arc::new(Inner::new(
+                crate::transport::stub(transport, credentials),
+                options,
+            )),
         }
     }
 
@@ -292,7 +301,7 @@ impl Client {
     /// Makes one unary call with the per-attempt deadline, retrying transient errors.
     async fn call<T, F, Fut>(&self, mut attempt: F) -> Result<T, Error>
     where
-        F: FnMut(IdempotencyServiceClient<Channel>, Duration) -> Fut,
+        F: FnMut(Stub, Duration) -> Fut,
         Fut: Future<Output = Result<Response<T>, Status>>,
     {
         self.attempts(|stub, timeout| {
@@ -305,7 +314,7 @@ impl Client {
     /// Runs attempts with the per-attempt deadline, retrying transient errors.
     async fn attempts<T, F, Fut>(&self, mut attempt: F) -> Result<T, Error>
     where
-        F: FnMut(IdempotencyServiceClient<Channel>, Duration) -> Fut,
+        F: FnMut(Stub, Duration) -> Fut,
         Fut: Future<Output = Result<T, Status>>,
     {
         let options = &self.inner.options;
@@ -359,12 +368,14 @@ pub(crate) fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T
     request
 }
 
-/// Builds a [`Client`]: one or several endpoints (balanced), timeouts, TLS, retries.
+/// Builds a [`Client`]: one or several endpoints (balanced), timeouts, TLS,
+/// credentials, retries.
 #[derive(Debug, Clone)]
 pub struct ClientBuilder {
     endpoints: Vec<String>,
     options: ClientOptions,
     connect_timeout: Duration,
+    token: Option<TokenSource>,
     #[cfg(feature = "tls")]
     tls: Option<tonic::transport::ClientTlsConfig>,
 }
@@ -382,6 +393,7 @@ impl ClientBuilder {
             endpoints: Vec::new(),
             options: ClientOptions::default(),
             connect_timeout: Duration::from_secs(2),
+            token: None,
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -428,6 +440,16 @@ impl ClientBuilder {
         self
     }
 
+    /// Sends `authorization: Bearer <token>` from `token` with every RPC of
+    /// the client: unary calls, the batch RPCs, lease renewals and releases.
+    /// A call for which `token` has no token fails with
+    /// [`Error::Unauthenticated`] without being sent. Send tokens over TLS
+    /// only: over `http://` anyone on the path can read them.
+    pub fn bearer_token(mut self, token: TokenSource) -> Self {
+        self.token = Some(token);
+        self
+    }
+
     /// TLS settings, e.g. `ClientTlsConfig::new().with_webpki_roots()` or your own CA.
     #[cfg(feature = "tls")]
     pub fn tls(mut self, tls: tonic::transport::ClientTlsConfig) -> Self {
@@ -460,6 +482,10 @@ impl ClientBuilder {
             .collect()
     }
 
+    fn client(self, transport: Transport) -> Client {
+        Client::new(transport, Credentials::new(self.token), self.options)
+    }
+
     /// A client that connects on first use: building it never fails for an
     /// unreachable service, so a fail-open caller can start without one.
     pub fn connect_lazy(self) -> Result<Client, Error> {
@@ -469,7 +495,7 @@ impl ClientBuilder {
         } else {
             Channel::balance_list(endpoints.into_iter())
         };
-        Ok(Client::new(channel, self.options))
+        Ok(self.client(Transport::Channel(channel)))
     }
 
     /// A client whose (single) endpoint answered; with several endpoints
@@ -487,7 +513,7 @@ impl ClientBuilder {
                 attempts: 1,
                 message: format!("connecting: {error}"),
             })?;
-        Ok(Client::new(channel, self.options))
+        Ok(self.client(Transport::Channel(channel)))
     }
 }
 

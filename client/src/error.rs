@@ -29,7 +29,9 @@ pub enum Error {
     NotInProgress,
     /// The service did not accept the caller's credentials: no bearer token
     /// or client certificate, or one it rejects (expired, wrong audience,
-    /// unknown issuer). Never retried; not a refusal of the request itself
+    /// unknown issuer). Also the error of a call that was never sent because
+    /// this client had no token to send (see [`crate::TokenSource`]), which
+    /// the message says. Never retried; not a refusal of the request itself
     /// ([`Error::is_refusal`] is false), so nothing is stored in its place.
     #[error("not authenticated by the idempotency service: {message}")]
     Unauthenticated {
@@ -219,5 +221,87 @@ mod tests {
             Error::from_status(status, 1),
             Error::PermissionDenied { reason: Some(reason), .. } if reason == NAMESPACE_FORBIDDEN
         ));
+    }
+
+    #[tokio::test]
+    async fn a_rejected_token_or_a_forbidden_namespace_fails_at_once_unary_and_batched() {
+        use crate::{
+            AcquireRequest, Client, RecordId, TokenSource,
+            testing::{EXPIRED_TOKEN, FORBIDDEN_NAMESPACE, FakeService},
+        };
+        let service = FakeService::plain().await;
+        let client = |token: &str| {
+            Client::builder()
+                .endpoint(format!("http://{}", service.addr))
+                .bearer_token(TokenSource::fixed(token))
+                .connect_lazy()
+                .unwrap()
+        };
+        let request = |namespace: &str, key: &str| {
+            AcquireRequest::new(
+                RecordId::new(namespace, "POST /pay", format!("key-{key}")),
+                vec![],
+            )
+        };
+
+        let dir = crate::testing::TempDir::new("no-token");
+        let no_token = Client::builder()
+            .endpoint(format!("http://{}", service.addr))
+            .bearer_token(TokenSource::file(dir.0.join("token")))
+            .connect_lazy()
+            .unwrap()
+            .get(&request("shop", "get").id)
+            .await;
+        let calls_without_token = service.seen().len();
+        let expired = client(EXPIRED_TOKEN).get(&request("shop", "get").id).await;
+        let valid = client("valid");
+        let forbidden = valid.acquire(&request(FORBIDDEN_NAMESPACE, "alone")).await;
+        let calls_unary = service.seen().len();
+        // A batch with forbidden and allowed items: only the forbidden fail.
+        let mut batch = tokio::task::JoinSet::new();
+        for n in 0..6 {
+            let namespace = if n % 2 == 0 {
+                FORBIDDEN_NAMESPACE
+            } else {
+                "shop"
+            };
+            let (client, request) = (valid.clone(), request(namespace, &format!("batch-{n}")));
+            batch.spawn(async move {
+                (
+                    request.id.namespace.clone(),
+                    client.acquire(&request).await.map(drop),
+                )
+            });
+        }
+        let results = batch.join_all().await;
+
+        assert!(
+            matches!(no_token, Err(Error::Unauthenticated { ref message }) if message.contains("token file")),
+            "{no_token:?}"
+        );
+        assert_eq!(
+            calls_without_token, 0,
+            "a call without its token is not sent"
+        );
+        assert!(
+            matches!(expired, Err(Error::Unauthenticated { ref message }) if message.contains("expired")),
+            "{expired:?}"
+        );
+        assert!(
+            matches!(forbidden, Err(Error::PermissionDenied { reason: Some(ref reason), .. }) if reason == NAMESPACE_FORBIDDEN),
+            "{forbidden:?}"
+        );
+        assert_eq!(calls_unary, 2, "never retried: {:?}", service.seen());
+        assert!(service.seen().iter().any(|call| call.rpc == "BatchAcquire"));
+        for (namespace, result) in results {
+            if namespace == FORBIDDEN_NAMESPACE {
+                assert!(
+                    matches!(result, Err(Error::PermissionDenied { .. })),
+                    "{result:?}"
+                );
+            } else {
+                assert!(result.is_ok(), "{result:?}");
+            }
+        }
     }
 }

@@ -3,7 +3,8 @@
 //! (`http::IdempotencyLayer`, feature `http`).
 //!
 //! - [`Client`]: typed calls (`acquire`, `get`) with per-call timeouts and
-//!   retries of transient errors; [`ClientBuilder`] for several endpoints and TLS;
+//!   retries of transient errors; [`ClientBuilder`] for several endpoints, TLS
+//!   and a bearer token ([`TokenSource`]) sent with every call;
 //! - [`Acquisition`] and [`Lease`]: the outcome of Acquire and the right to
 //!   run the business logic (`complete`, `fail`, `release`, `renew`, `keep_alive`);
 //! - [`Client::run`] with [`RunOptions`]: the whole protocol in one call;
@@ -52,10 +53,14 @@
 
 mod batching;
 mod client;
+mod credentials;
 mod error;
 pub mod fingerprint;
 mod lease;
 mod run;
+#[cfg(test)]
+mod testing;
+mod transport;
 mod types;
 
 #[cfg(feature = "http")]
@@ -63,6 +68,7 @@ pub mod http;
 
 pub use batching::Batching;
 pub use client::{Client, ClientBuilder, ClientOptions, RetryPolicy};
+pub use credentials::{TOKEN_FILE_REFRESH, TokenSource};
 pub use error::{Error, NAMESPACE_FORBIDDEN};
 pub use lease::{Acquisition, Lease};
 pub use run::{Attempt, Failure, OnUnavailable, Ran, RunError, RunOptions, UNSTORABLE_RESPONSE};
