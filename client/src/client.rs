@@ -378,6 +378,8 @@ pub struct ClientBuilder {
     token: Option<TokenSource>,
     #[cfg(feature = "tls")]
     tls: Option<tonic::transport::ClientTlsConfig>,
+    #[cfg(feature = "tls")]
+    tls_files: Option<crate::TlsFiles>,
 }
 
 impl Default for ClientBuilder {
@@ -396,6 +398,8 @@ impl ClientBuilder {
             token: None,
             #[cfg(feature = "tls")]
             tls: None,
+            #[cfg(feature = "tls")]
+            tls_files: None,
         }
     }
 
@@ -421,7 +425,8 @@ impl ClientBuilder {
         self
     }
 
-    /// How long establishing a connection may take (default 2 s).
+    /// How long establishing a connection may take (default 2 s), the TLS
+    /// handshake included.
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self
@@ -450,10 +455,24 @@ impl ClientBuilder {
         self
     }
 
-    /// TLS settings, e.g. `ClientTlsConfig::new().with_webpki_roots()` or your own CA.
+    /// TLS settings, e.g. `ClientTlsConfig::new().with_webpki_roots()` or
+    /// your own CA. Read once: for certificates rotated on disk, use
+    /// [`Self::tls_files`] instead (not both).
     #[cfg(feature = "tls")]
     pub fn tls(mut self, tls: tonic::transport::ClientTlsConfig) -> Self {
         self.tls = Some(tls);
+        self
+    }
+
+    /// TLS from certificate files read again for each new connection, so
+    /// that rotated certificates take effect without a restart: the CA of
+    /// the service and, for mutual TLS, this client's certificate and key
+    /// (see [`crate::TlsFiles`]). Endpoints are `https://` (port 443 unless
+    /// given). Files that cannot be used when the client is built are an
+    /// [`Error::Config`] from [`Self::connect`] and [`Self::connect_lazy`].
+    #[cfg(feature = "tls")]
+    pub fn tls_files(mut self, files: crate::TlsFiles) -> Self {
+        self.tls_files = Some(files);
         self
     }
 
@@ -461,11 +480,25 @@ impl ClientBuilder {
         if self.endpoints.is_empty() {
             return Err(Error::Config("no endpoint given".into()));
         }
+        #[cfg(feature = "tls")]
+        if self.tls.is_some() && self.tls_files.is_some() {
+            return Err(Error::Config(
+                "both `tls` and `tls_files` given: choose one".into(),
+            ));
+        }
         self.endpoints
             .iter()
             .map(|uri| {
+                #[cfg(feature = "tls")]
+                let endpoint = match &self.tls_files {
+                    Some(_) => crate::tls::endpoint(uri)?,
+                    None => Endpoint::from_shared(uri.clone())
+                        .map_err(|error| Error::Config(format!("endpoint {uri:?}: {error}")))?,
+                };
+                #[cfg(not(feature = "tls"))]
                 let endpoint = Endpoint::from_shared(uri.clone())
-                    .map_err(|error| Error::Config(format!("endpoint {uri:?}: {error}")))?
+                    .map_err(|error| Error::Config(format!("endpoint {uri:?}: {error}")))?;
+                let endpoint = endpoint
                     .connect_timeout(self.connect_timeout)
                     .tcp_nodelay(true)
                     .http2_keep_alive_interval(Duration::from_secs(30))
@@ -482,6 +515,15 @@ impl ClientBuilder {
             .collect()
     }
 
+    /// The connector of [`Self::tls_files`], with the files read once.
+    #[cfg(feature = "tls")]
+    fn tls_connector(&self) -> Result<Option<crate::tls::Connector>, Error> {
+        self.tls_files
+            .clone()
+            .map(crate::tls::Connector::new)
+            .transpose()
+    }
+
     fn client(self, transport: Transport) -> Client {
         Client::new(transport, Credentials::new(self.token), self.options)
     }
@@ -490,6 +532,11 @@ impl ClientBuilder {
     /// unreachable service, so a fail-open caller can start without one.
     pub fn connect_lazy(self) -> Result<Client, Error> {
         let mut endpoints = self.build_endpoints()?;
+        #[cfg(feature = "tls")]
+        if let Some(connector) = self.tls_connector()? {
+            let transport = crate::tls::lazy(endpoints, &connector);
+            return Ok(self.client(transport));
+        }
         let channel = if endpoints.len() == 1 {
             endpoints.remove(0).connect_lazy()
         } else {
@@ -505,16 +552,33 @@ impl ClientBuilder {
         if endpoints.len() > 1 {
             return self.connect_lazy();
         }
-        let channel = endpoints
-            .remove(0)
-            .connect()
-            .await
-            .map_err(|error| Error::Unavailable {
-                attempts: 1,
-                message: format!("connecting: {error}"),
-            })?;
+        let endpoint = endpoints.remove(0);
+        #[cfg(feature = "tls")]
+        let connected = match self.tls_connector()? {
+            Some(connector) => crate::tls::connect(endpoint, &connector).await,
+            None => endpoint.connect().await,
+        };
+        #[cfg(not(feature = "tls"))]
+        let connected = endpoint.connect().await;
+        let channel = connected.map_err(|error| Error::Unavailable {
+            attempts: 1,
+            message: format!("connecting: {}", error_chain(&error)),
+        })?;
         Ok(self.client(Transport::Channel(channel)))
     }
+}
+
+/// An error and its sources: tonic's connection errors say only "transport
+/// error" at the top.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
 
 #[cfg(test)]

@@ -1,12 +1,18 @@
-//! Test helpers: a fake idempotency service over HTTP/2 that records what
-//! each call carried, and a temporary directory.
+//! Test helpers: a fake idempotency service over HTTP/2 (plain, or TLS with
+//! client certificates) that records what each call carried, and a
+//! temporary directory.
+// Connections and client certificates matter to the TLS tests only.
+#![cfg_attr(not(feature = "tls"), allow(dead_code))]
 
 use std::{
     convert::Infallible,
     future::{Ready, ready},
     net::SocketAddr,
     path::PathBuf,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
     time::{Duration, SystemTime},
 };
 
@@ -36,8 +42,16 @@ pub(crate) const FORBIDDEN_NAMESPACE: &str = "forbidden";
 pub(crate) struct Seen {
     /// The RPC's name (`Acquire`, `BatchAcquire`, ...).
     pub(crate) rpc: String,
+    pub(crate) scheme: Option<String>,
     pub(crate) authorization: Option<String>,
+    /// The client certificate of the call's connection (DER), under TLS.
+    pub(crate) peer: Option<Vec<u8>>,
 }
+
+#[cfg(feature = "tls")]
+type TlsConfig = Arc<tokio_rustls::rustls::ServerConfig>;
+#[cfg(not(feature = "tls"))]
+type TlsConfig = Infallible;
 
 /// An idempotency service that grants every Acquire (fencing token 1),
 /// accepts every Renew, Complete and Fail, knows no record (`Get`), answers
@@ -47,24 +61,54 @@ pub(crate) struct FakeService {
     pub(crate) addr: SocketAddr,
     seen: Arc<Mutex<Vec<Seen>>>,
     connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    made: Arc<AtomicUsize>,
     acceptor: JoinHandle<()>,
 }
 
 impl FakeService {
     pub(crate) async fn plain() -> Self {
+        Self::start(None).await
+    }
+
+    #[cfg(feature = "tls")]
+    pub(crate) async fn tls(config: TlsConfig) -> Self {
+        Self::start(Some(config)).await
+    }
+
+    async fn start(tls: Option<TlsConfig>) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let seen = Arc::<Mutex<Vec<Seen>>>::default();
         let connections = Arc::<Mutex<Vec<JoinHandle<()>>>>::default();
+        let made = Arc::<AtomicUsize>::default();
         let acceptor = tokio::spawn({
-            let (seen, connections) = (seen.clone(), connections.clone());
+            let (seen, connections, made) = (seen.clone(), connections.clone(), made.clone());
             async move {
                 loop {
                     let Ok((tcp, _)) = listener.accept().await else {
                         return;
                     };
-                    let connection = serve(tcp, seen.clone());
+                    let connection = match &tls {
+                        None => serve(tcp, None, seen.clone()),
+                        #[cfg(feature = "tls")]
+                        Some(config) => {
+                            let acceptor = tokio_rustls::TlsAcceptor::from(config.clone());
+                            let Ok(stream) = acceptor.accept(tcp).await else {
+                                continue;
+                            };
+                            let peer = stream
+                                .get_ref()
+                                .1
+                                .peer_certificates()
+                                .and_then(|chain| chain.first())
+                                .map(|certificate| certificate.to_vec());
+                            serve(stream, peer, seen.clone())
+                        }
+                        #[cfg(not(feature = "tls"))]
+                        Some(never) => match *never {},
+                    };
                     connections.lock().unwrap().push(connection);
+                    made.fetch_add(1, Ordering::Relaxed);
                 }
             }
         });
@@ -72,6 +116,7 @@ impl FakeService {
             addr,
             seen,
             connections,
+            made,
             acceptor,
         }
     }
@@ -92,6 +137,11 @@ impl FakeService {
         panic!("no {rpc} call seen: {:?}", self.seen());
     }
 
+    /// Connections made so far.
+    pub(crate) fn connections_made(&self) -> usize {
+        self.made.load(Ordering::Relaxed)
+    }
+
     /// Closes every open connection, so that the next call makes a new one.
     pub(crate) fn drop_connections(&self) {
         for connection in self.connections.lock().unwrap().drain(..) {
@@ -107,12 +157,13 @@ impl Drop for FakeService {
     }
 }
 
-fn serve<I>(io: I, seen: Arc<Mutex<Vec<Seen>>>) -> JoinHandle<()>
+fn serve<I>(io: I, peer: Option<Vec<u8>>, seen: Arc<Mutex<Vec<Seen>>>) -> JoinHandle<()>
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     tokio::spawn(async move {
-        let service = hyper::service::service_fn(move |request| answer(request, seen.clone()));
+        let service =
+            hyper::service::service_fn(move |request| answer(request, peer.clone(), seen.clone()));
         let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
             .serve_connection(TokioIo::new(io), service)
             .await;
@@ -121,6 +172,7 @@ where
 
 async fn answer(
     request: http::Request<Incoming>,
+    peer: Option<Vec<u8>>,
     seen: Arc<Mutex<Vec<Seen>>>,
 ) -> Result<http::Response<Body>, Infallible> {
     let rpc = request.uri().path().rsplit('/').next().unwrap_or_default();
@@ -131,7 +183,9 @@ async fn answer(
         .map(str::to_owned);
     seen.lock().unwrap().push(Seen {
         rpc: rpc.to_owned(),
+        scheme: request.uri().scheme_str().map(str::to_owned),
         authorization: authorization.clone(),
+        peer,
     });
     if authorization.as_deref() == Some(&format!("Bearer {EXPIRED_TOKEN}")) {
         return Ok(Status::unauthenticated("the token has expired").into_http());
