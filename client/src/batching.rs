@@ -25,12 +25,9 @@ use std::{
 };
 
 use prost::Message;
-use tonic::{Code, Status, codegen::Bytes, transport::Channel};
+use tonic::{Code, Status, codegen::Bytes};
 
-use crate::{
-    client::with_timeout,
-    pb::{self, idempotency_service_client::IdempotencyServiceClient},
-};
+use crate::{client::with_timeout, pb, transport::Stub};
 
 /// How concurrent calls of one [`Client`](crate::Client) are batched.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,7 +54,6 @@ impl Default for Batching {
     }
 }
 
-type Stub = IdempotencyServiceClient<Channel>;
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 type ItemResult<R> = Result<R, Status>;
 
@@ -395,7 +391,7 @@ impl<R: BatchRpc + Send> Drop for Slot<R> {
 
 /// A failed item's `google.rpc.Status`, as the status the unary call would
 /// have failed with (its details keep ErrorInfo and BadRequest).
-fn item_status(status: tonic_types::pb::Status) -> Status {
+pub(crate) fn item_status(status: tonic_types::pb::Status) -> Status {
     let code = Code::from_i32(status.code);
     let message = status.message.clone();
     Status::with_details(code, message, Bytes::from(status.encode_to_vec()))

@@ -14,9 +14,11 @@ use tonic::{
 
 use crate::{
     batching::{BatchRpc, Batcher, Batching},
+    credentials::{Credentials, TokenSource},
     error::{Error, is_transient},
     lease::{Acquisition, Lease},
-    pb::{self, idempotency_service_client::IdempotencyServiceClient},
+    pb,
+    transport::{Stub, Transport},
     types::{
         AcquireRequest, Record, RecordId, RecordState, StoredResponse, duration_from_pb,
         duration_to_pb, time_from_pb,
@@ -107,14 +109,14 @@ pub struct Client {
 
 #[derive(Debug)]
 struct Inner {
-    stub: IdempotencyServiceClient<Channel>,
+    stub: Stub,
     options: ClientOptions,
     acquires: Option<Arc<Batcher<pb::AcquireRequest>>>,
     completes: Option<Arc<Batcher<pb::CompleteRequest>>>,
 }
 
 impl Inner {
-    fn new(channel_stub: IdempotencyServiceClient<Channel>, options: ClientOptions) -> Self {
+    fn new(channel_stub: Stub, options: ClientOptions) -> Self {
         // Batch replies carry up to 100 stored responses: no 4 MiB cap.
         let stub = channel_stub.max_decoding_message_size(usize::MAX);
         let batching = options.batching.as_ref();
@@ -138,14 +140,21 @@ impl Client {
         ClientBuilder::new()
     }
 
-    /// Wraps a channel you built yourself.
+    /// Wraps a channel you built yourself (no bearer token).
     pub fn from_channel(channel: Channel) -> Self {
-        Self::new(channel, ClientOptions::default())
+        Self::new(
+            Transport::Channel(channel),
+            Credentials::default(),
+            ClientOptions::default(),
+        )
     }
 
-    fn new(channel: Channel, options: ClientOptions) -> Self {
+    fn new(transport: Transport, credentials: Credentials, options: ClientOptions) -> Self {
         Self {
-            inner: Arc::new(Inner::new(IdempotencyServiceClient::new(channel), options)),
+            inner: Arc::new(Inner::new(
+                crate::transport::stub(transport, credentials),
+                options,
+            )),
         }
     }
 
@@ -292,7 +301,7 @@ impl Client {
     /// Makes one unary call with the per-attempt deadline, retrying transient errors.
     async fn call<T, F, Fut>(&self, mut attempt: F) -> Result<T, Error>
     where
-        F: FnMut(IdempotencyServiceClient<Channel>, Duration) -> Fut,
+        F: FnMut(Stub, Duration) -> Fut,
         Fut: Future<Output = Result<Response<T>, Status>>,
     {
         self.attempts(|stub, timeout| {
@@ -305,7 +314,7 @@ impl Client {
     /// Runs attempts with the per-attempt deadline, retrying transient errors.
     async fn attempts<T, F, Fut>(&self, mut attempt: F) -> Result<T, Error>
     where
-        F: FnMut(IdempotencyServiceClient<Channel>, Duration) -> Fut,
+        F: FnMut(Stub, Duration) -> Fut,
         Fut: Future<Output = Result<T, Status>>,
     {
         let options = &self.inner.options;
@@ -359,14 +368,18 @@ pub(crate) fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T
     request
 }
 
-/// Builds a [`Client`]: one or several endpoints (balanced), timeouts, TLS, retries.
+/// Builds a [`Client`]: one or several endpoints (balanced), timeouts, TLS,
+/// credentials, retries.
 #[derive(Debug, Clone)]
 pub struct ClientBuilder {
     endpoints: Vec<String>,
     options: ClientOptions,
     connect_timeout: Duration,
+    token: Option<TokenSource>,
     #[cfg(feature = "tls")]
     tls: Option<tonic::transport::ClientTlsConfig>,
+    #[cfg(feature = "tls")]
+    tls_files: Option<crate::TlsFiles>,
 }
 
 impl Default for ClientBuilder {
@@ -382,8 +395,11 @@ impl ClientBuilder {
             endpoints: Vec::new(),
             options: ClientOptions::default(),
             connect_timeout: Duration::from_secs(2),
+            token: None,
             #[cfg(feature = "tls")]
             tls: None,
+            #[cfg(feature = "tls")]
+            tls_files: None,
         }
     }
 
@@ -409,7 +425,8 @@ impl ClientBuilder {
         self
     }
 
-    /// How long establishing a connection may take (default 2 s).
+    /// How long establishing a connection may take (default 2 s), the TLS
+    /// handshake included.
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self
@@ -428,10 +445,34 @@ impl ClientBuilder {
         self
     }
 
-    /// TLS settings, e.g. `ClientTlsConfig::new().with_webpki_roots()` or your own CA.
+    /// Sends `authorization: Bearer <token>` from `token` with every RPC of
+    /// the client: unary calls, the batch RPCs, lease renewals and releases.
+    /// A call for which `token` has no token fails with
+    /// [`Error::Unauthenticated`] without being sent. Send tokens over TLS
+    /// only: over `http://` anyone on the path can read them.
+    pub fn bearer_token(mut self, token: TokenSource) -> Self {
+        self.token = Some(token);
+        self
+    }
+
+    /// TLS settings, e.g. `ClientTlsConfig::new().with_webpki_roots()` or
+    /// your own CA. Read once: for certificates rotated on disk, use
+    /// [`Self::tls_files`] instead (not both).
     #[cfg(feature = "tls")]
     pub fn tls(mut self, tls: tonic::transport::ClientTlsConfig) -> Self {
         self.tls = Some(tls);
+        self
+    }
+
+    /// TLS from certificate files read again for each new connection, so
+    /// that rotated certificates take effect without a restart: the CA of
+    /// the service and, for mutual TLS, this client's certificate and key
+    /// (see [`crate::TlsFiles`]). Endpoints are `https://` (port 443 unless
+    /// given). Files that cannot be used when the client is built are an
+    /// [`Error::Config`] from [`Self::connect`] and [`Self::connect_lazy`].
+    #[cfg(feature = "tls")]
+    pub fn tls_files(mut self, files: crate::TlsFiles) -> Self {
+        self.tls_files = Some(files);
         self
     }
 
@@ -439,11 +480,25 @@ impl ClientBuilder {
         if self.endpoints.is_empty() {
             return Err(Error::Config("no endpoint given".into()));
         }
+        #[cfg(feature = "tls")]
+        if self.tls.is_some() && self.tls_files.is_some() {
+            return Err(Error::Config(
+                "both `tls` and `tls_files` given: choose one".into(),
+            ));
+        }
         self.endpoints
             .iter()
             .map(|uri| {
+                #[cfg(feature = "tls")]
+                let endpoint = match &self.tls_files {
+                    Some(_) => crate::tls::endpoint(uri)?,
+                    None => Endpoint::from_shared(uri.clone())
+                        .map_err(|error| Error::Config(format!("endpoint {uri:?}: {error}")))?,
+                };
+                #[cfg(not(feature = "tls"))]
                 let endpoint = Endpoint::from_shared(uri.clone())
-                    .map_err(|error| Error::Config(format!("endpoint {uri:?}: {error}")))?
+                    .map_err(|error| Error::Config(format!("endpoint {uri:?}: {error}")))?;
+                let endpoint = endpoint
                     .connect_timeout(self.connect_timeout)
                     .tcp_nodelay(true)
                     .http2_keep_alive_interval(Duration::from_secs(30))
@@ -460,16 +515,34 @@ impl ClientBuilder {
             .collect()
     }
 
+    /// The connector of [`Self::tls_files`], with the files read once.
+    #[cfg(feature = "tls")]
+    fn tls_connector(&self) -> Result<Option<crate::tls::Connector>, Error> {
+        self.tls_files
+            .clone()
+            .map(crate::tls::Connector::new)
+            .transpose()
+    }
+
+    fn client(self, transport: Transport) -> Client {
+        Client::new(transport, Credentials::new(self.token), self.options)
+    }
+
     /// A client that connects on first use: building it never fails for an
     /// unreachable service, so a fail-open caller can start without one.
     pub fn connect_lazy(self) -> Result<Client, Error> {
         let mut endpoints = self.build_endpoints()?;
+        #[cfg(feature = "tls")]
+        if let Some(connector) = self.tls_connector()? {
+            let transport = crate::tls::lazy(endpoints, &connector);
+            return Ok(self.client(transport));
+        }
         let channel = if endpoints.len() == 1 {
             endpoints.remove(0).connect_lazy()
         } else {
             Channel::balance_list(endpoints.into_iter())
         };
-        Ok(Client::new(channel, self.options))
+        Ok(self.client(Transport::Channel(channel)))
     }
 
     /// A client whose (single) endpoint answered; with several endpoints
@@ -479,16 +552,33 @@ impl ClientBuilder {
         if endpoints.len() > 1 {
             return self.connect_lazy();
         }
-        let channel = endpoints
-            .remove(0)
-            .connect()
-            .await
-            .map_err(|error| Error::Unavailable {
-                attempts: 1,
-                message: format!("connecting: {error}"),
-            })?;
-        Ok(Client::new(channel, self.options))
+        let endpoint = endpoints.remove(0);
+        #[cfg(feature = "tls")]
+        let connected = match self.tls_connector()? {
+            Some(connector) => crate::tls::connect(endpoint, &connector).await,
+            None => endpoint.connect().await,
+        };
+        #[cfg(not(feature = "tls"))]
+        let connected = endpoint.connect().await;
+        let channel = connected.map_err(|error| Error::Unavailable {
+            attempts: 1,
+            message: format!("connecting: {}", error_chain(&error)),
+        })?;
+        Ok(self.client(Transport::Channel(channel)))
     }
+}
+
+/// An error and its sources: tonic's connection errors say only "transport
+/// error" at the top.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
 
 #[cfg(test)]

@@ -3,7 +3,9 @@
 //! (`http::IdempotencyLayer`, feature `http`).
 //!
 //! - [`Client`]: typed calls (`acquire`, `get`) with per-call timeouts and
-//!   retries of transient errors; [`ClientBuilder`] for several endpoints and TLS;
+//!   retries of transient errors; [`ClientBuilder`] for several endpoints, TLS
+//!   (`TlsFiles`, feature `tls`: certificates re-read when they rotate) and a
+//!   bearer token ([`TokenSource`]) sent with every call;
 //! - [`Acquisition`] and [`Lease`]: the outcome of Acquire and the right to
 //!   run the business logic (`complete`, `fail`, `release`, `renew`, `keep_alive`);
 //! - [`Client::run`] with [`RunOptions`]: the whole protocol in one call;
@@ -52,10 +54,16 @@
 
 mod batching;
 mod client;
+mod credentials;
 mod error;
 pub mod fingerprint;
 mod lease;
 mod run;
+#[cfg(test)]
+mod testing;
+#[cfg(feature = "tls")]
+mod tls;
+mod transport;
 mod types;
 
 #[cfg(feature = "http")]
@@ -63,9 +71,12 @@ pub mod http;
 
 pub use batching::Batching;
 pub use client::{Client, ClientBuilder, ClientOptions, RetryPolicy};
-pub use error::Error;
+pub use credentials::{TOKEN_FILE_REFRESH, TokenSource};
+pub use error::{Error, NAMESPACE_FORBIDDEN};
 pub use lease::{Acquisition, Lease};
 pub use run::{Attempt, Failure, OnUnavailable, Ran, RunError, RunOptions, UNSTORABLE_RESPONSE};
+#[cfg(feature = "tls")]
+pub use tls::TlsFiles;
 pub use types::{AcquireRequest, Record, RecordId, RecordState, StoredResponse};
 
 /// Generated protobuf messages and the gRPC client for `idempotency.v1`.

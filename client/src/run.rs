@@ -26,7 +26,10 @@ pub enum OnUnavailable {
     FailClosed,
     /// Run the business logic without idempotency (counted in
     /// `idempotency_client_fail_open_total` and logged). For operations
-    /// where a rare duplicate is harmless: likes, notifications.
+    /// where a rare duplicate is harmless: likes, notifications. Only when
+    /// the service is unreachable ([`Error::is_unavailable`]): when it
+    /// answers [`Error::Unauthenticated`] or [`Error::PermissionDenied`],
+    /// the caller gets [`RunError::Service`], whatever this policy.
     FailOpen,
 }
 

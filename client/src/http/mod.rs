@@ -13,6 +13,7 @@
 //! | duplicate after it finished | the stored status, allow-listed headers and body, with `Idempotent-Replayed: true` |
 //! | same key, another body | `422` |
 //! | idempotency service unreachable | `503` (fail closed, default) or the handler unprotected (fail open) |
+//! | idempotency service refuses this service's credentials or namespace (UNAUTHENTICATED, PERMISSION_DENIED) | `500`, the handler not run, even failing open |
 //!
 //! The scope of a key: namespace = [`HttpConfig::new`]'s service name,
 //! operation = method + route template (axum's `MatchedPath`, else the

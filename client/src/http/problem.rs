@@ -47,6 +47,16 @@ pub(crate) fn in_progress(retry_after: Duration) -> Response<ResponseBody> {
     response
 }
 
+/// `500`: the idempotency service refused this service's credentials or its
+/// use of the namespace. Not `503`: waiting does not mend a configuration.
+pub(crate) fn not_authorized() -> Response<ResponseBody> {
+    problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "idempotency-not-authorized",
+        "this service may not use idempotency keys for this request; it was not processed",
+    )
+}
+
 /// `503`: the idempotency service cannot be reached and the route fails closed.
 pub(crate) fn unavailable() -> Response<ResponseBody> {
     let mut response = problem(

@@ -198,6 +198,15 @@ where
                 return pass_through(inner, request).await;
             }
         },
+        // The service refused this service's credentials, or its use of the
+        // namespace: a deployment's mistake, not an outage, so never run the
+        // handler unprotected, even failing open. Nothing ran and nothing
+        // was stored, so the end client may retry with the same key.
+        Err(error @ (Error::Unauthenticated { .. } | Error::PermissionDenied { .. })) => {
+            tracing::error!(%error, namespace = %acquire.id.namespace,
+                "the idempotency service refused this service: answering 500");
+            return Ok(problem::not_authorized());
+        }
         // The scope comes from the request (e.g. a subject too long): the client's fault.
         Err(Error::InvalidArgument {
             field: Some(field),
@@ -490,5 +499,43 @@ mod tests {
         );
         assert_eq!(replayed.headers()["content-encoding"], "gzip");
         assert!(!replayed.headers().contains_key("x-other"));
+    }
+
+    #[tokio::test]
+    async fn a_refused_namespace_answers_500_and_never_runs_the_handler_even_failing_open() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+
+        use crate::testing::{FORBIDDEN_NAMESPACE, FakeService};
+        let service = FakeService::plain().await;
+        let client = Client::builder()
+            .endpoint(format!("http://{}", service.addr))
+            .connect_lazy()
+            .unwrap();
+        let ran = Arc::new(AtomicUsize::new(0));
+        let handler = tower::service_fn({
+            let ran = ran.clone();
+            move |_: Request<axum::body::Body>| {
+                ran.fetch_add(1, Ordering::Relaxed);
+                async {
+                    Ok::<_, std::convert::Infallible>(Response::new(axum::body::Body::from("ran")))
+                }
+            }
+        });
+        let config = HttpConfig::new(FORBIDDEN_NAMESPACE).on_unavailable(OnUnavailable::FailOpen);
+        let layered = Idempotency::new(handler, client, Arc::new(config));
+        let request = Request::post("/payments")
+            .header("idempotency-key", "refused-0123456789")
+            .body(axum::body::Body::from("{}"))
+            .unwrap();
+
+        let response = tower::ServiceExt::oneshot(layered, request).await.unwrap();
+
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(
+            response.headers()["content-type"],
+            "application/problem+json"
+        );
+        assert_eq!(ran.load(Ordering::Relaxed), 0);
+        assert_eq!(service.seen().len(), 1, "not retried");
     }
 }
