@@ -187,6 +187,13 @@ pub struct SecurityArgs {
     /// Required once any credential (client CA, JWKS, static tokens) is on.
     #[arg(long, env = "IDEMPOTENCY_AUTH_POLICY")]
     pub auth_policy: Option<PathBuf>,
+    /// Longest a client connection lives before the server asks the client
+    /// to reconnect (HTTP/2 GOAWAY; calls in flight finish): an identity
+    /// proven by a client certificate is checked again at the next
+    /// handshake, so a rotated or expired certificate stops counting, and a
+    /// renewed server certificate reaches every client.
+    #[arg(long, env = "IDEMPOTENCY_MAX_CONNECTION_AGE", default_value = "1h", value_parser = positive_duration)]
+    pub max_connection_age: Duration,
     /// How often the certificate, key, CA, JWKS, token and policy files are
     /// checked for changes.
     #[arg(long, env = "IDEMPOTENCY_RELOAD_INTERVAL", default_value = "10s", value_parser = positive_duration)]
@@ -214,6 +221,7 @@ impl SecurityArgs {
             static_tokens: self.static_tokens.clone(),
             policy: self.auth_policy.clone(),
             reload_interval: self.reload_interval,
+            max_connection_age: self.max_connection_age,
         }
     }
 }

@@ -311,6 +311,7 @@ impl Application {
         };
         let router = Server::builder()
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
+            .max_connection_age(config.security.max_connection_age)
             .layer(AuthLayer::new(security.auth.clone()))
             .add_service(health_service)
             .add_optional_service(reflection_v1)

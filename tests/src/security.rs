@@ -271,6 +271,7 @@ impl SecurityFiles {
             static_tokens: Some(self.dir.path("tokens.toml")),
             policy: Some(self.dir.path("policy.toml")),
             reload_interval: Duration::from_millis(100),
+            ..SecurityConfig::default()
         }
     }
 }

@@ -24,6 +24,9 @@ pub struct SecurityConfig {
     pub policy: Option<PathBuf>,
     /// How often the files are checked for changes.
     pub reload_interval: Duration,
+    /// Longest a client connection lives (its identity is proven again on
+    /// the next one).
+    pub max_connection_age: Duration,
 }
 
 impl Default for SecurityConfig {
@@ -35,6 +38,7 @@ impl Default for SecurityConfig {
             static_tokens: None,
             policy: None,
             reload_interval: Duration::from_secs(10),
+            max_connection_age: Duration::from_secs(3600),
         }
     }
 }

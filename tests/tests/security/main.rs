@@ -3,6 +3,7 @@
 //! credential is UNAUTHENTICATED with nothing written, and certificates,
 //! the policy, the JWKS and static tokens change without a restart.
 
+mod client;
 mod credentials;
 mod modes;
 mod namespaces;
