@@ -384,11 +384,16 @@ fn announce(addr: SocketAddr, security: &Security) {
             "serving gRPC over TLS without authentication: every caller may read and write every \
              namespace's records; see docs/security.md to turn auth on"
         ),
+        Mode::Auth if security.tls.is_none() => tracing::warn!(
+            %addr,
+            mode,
+            "serving gRPC without TLS: bearer tokens and stored responses cross the network in \
+             plain text; only do this behind a proxy or mesh that encrypts"
+        ),
         Mode::Auth => tracing::info!(
             %addr,
             mode,
-            tls = security.tls.is_some(),
-            "serving gRPC; callers authenticated, namespaces enforced"
+            "serving gRPC over TLS; callers authenticated, namespaces enforced"
         ),
     }
 }
