@@ -13,7 +13,12 @@
 //! user, host, path and query shown are the ones sqlx uses, and the password
 //! (all of the user information after its first `:`) is never shown.
 
-use std::{borrow::Cow, fmt, str::FromStr};
+use std::{
+    borrow::Cow,
+    fmt,
+    path::{Path, PathBuf},
+    str::FromStr,
+};
 
 use sqlx::postgres::PgConnectOptions;
 
@@ -54,9 +59,26 @@ const READ_BY_SQLX: &[&str] = &[
 #[derive(Clone)]
 pub struct DatabaseUrl(String);
 
-/// Why a database URL cannot be used. No variant holds any part of the URL.
+/// Why a database URL cannot be used. No variant holds any part of the URL
+/// or of the file it came from.
 #[derive(Debug, thiserror::Error)]
 pub enum DatabaseUrlError {
+    #[error("reading the database URL from the file {}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the database URL file {} is empty", path.display())]
+    Empty { path: PathBuf },
+    #[error(
+        "no database URL: set --database-url (DATABASE_URL) or --database-url-file (DATABASE_URL_FILE)"
+    )]
+    Missing,
+    #[error(
+        "both --database-url (DATABASE_URL) and --database-url-file (DATABASE_URL_FILE) are set; set one"
+    )]
+    Both,
     #[error("the database URL must start with postgres:// or postgresql://")]
     NotPostgres,
     #[error(
@@ -75,6 +97,22 @@ pub enum DatabaseUrlError {
 }
 
 impl DatabaseUrl {
+    /// Reads the URL from a file (a mounted secret), ignoring trailing
+    /// whitespace. Errors name the file, never its content.
+    pub fn from_file(path: &Path) -> Result<Self, DatabaseUrlError> {
+        let text = std::fs::read_to_string(path).map_err(|source| DatabaseUrlError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let url = text.trim_end();
+        if url.is_empty() {
+            return Err(DatabaseUrlError::Empty {
+                path: path.to_owned(),
+            });
+        }
+        Ok(Self(url.to_owned()))
+    }
+
     pub fn expose(&self) -> &str {
         &self.0
     }
@@ -502,5 +540,30 @@ mod tests {
         let options = url.connect_options().unwrap();
         assert_eq!(options.get_application_name(), Some("me"));
         assert!(format!("{options:?}").contains("password: Some(\"ab\")"));
+    }
+
+    #[test]
+    fn a_url_file_is_read_without_its_trailing_whitespace_and_errors_name_only_the_file() {
+        let dir = std::env::temp_dir().join(format!("database-url-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("url");
+        std::fs::write(&file, "postgres://u:SecretTail@db/x \n\n").unwrap();
+        let empty = dir.join("empty");
+        std::fs::write(&empty, " \n").unwrap();
+        let missing = dir.join("missing");
+
+        let url = DatabaseUrl::from_file(&file).unwrap();
+        let empty = DatabaseUrl::from_file(&empty).unwrap_err();
+        let missing = DatabaseUrl::from_file(&missing).unwrap_err();
+        let not_text = DatabaseUrl::from_file(&dir).unwrap_err();
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        assert_eq!(url.expose(), "postgres://u:SecretTail@db/x");
+        assert!(matches!(empty, DatabaseUrlError::Empty { .. }));
+        for error in [empty, missing, not_text] {
+            let message = error.to_string();
+            assert!(message.contains(dir.to_str().unwrap()), "{message}");
+            assert!(!message.contains("SecretTail"), "{message}");
+        }
     }
 }

@@ -43,9 +43,10 @@ async fn migrate(database: &DatabaseArgs, options: PgConnectOptions) -> anyhow::
     Ok(())
 }
 
-/// The database URL and its connect options. No error quotes the URL.
+/// The database URL (read from its file once, at start) and its connect
+/// options. No error quotes the URL or the file's content.
 fn database_url(database: &DatabaseArgs) -> anyhow::Result<(DatabaseUrl, PgConnectOptions)> {
-    let url = database.database_url.clone();
+    let url = database.url()?;
     let options = url.connect_options()?;
     Ok((url, options))
 }

@@ -2,9 +2,9 @@
 //! `IDEMPOTENCY_*` variable (the database URL reads `DATABASE_URL`); defaults
 //! show in `--help`; durations read like `30s`, `24h`, `7d`.
 
-use std::{net::SocketAddr, time::Duration};
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
 
 pub use crate::database_url::{DatabaseUrl, DatabaseUrlError};
 use crate::{
@@ -266,13 +266,28 @@ fn positive_duration(text: &str) -> Result<Duration, String> {
     }
 }
 
+/// Where the database is, and how the pool uses it. The URL comes from
+/// exactly one of --database-url (DATABASE_URL) and --database-url-file
+/// (DATABASE_URL_FILE).
 #[derive(Debug, Clone, Args)]
+#[command(group(
+    ArgGroup::new("database_url_source")
+        .args(["database_url", "database_url_file"])
+        .required(true)
+        .multiple(false)
+))]
 pub struct DatabaseArgs {
     /// Postgres URL, e.g. postgres://user:password@host:5432/idempotency.
     /// Percent-encode `/`, `?`, `#` and `@` in the user name and password
-    /// (`/` as %2F).
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-    pub database_url: DatabaseUrl,
+    /// (`/` as %2F). Or give --database-url-file instead.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true, value_name = "URL")]
+    pub database_url: Option<DatabaseUrl>,
+    /// A file holding the Postgres URL (a mounted secret), read at start,
+    /// trailing whitespace ignored: the password stays out of the process's
+    /// arguments and environment. Instead of --database-url, and with
+    /// DATABASE_URL unset.
+    #[arg(long, env = "DATABASE_URL_FILE", value_name = "PATH")]
+    pub database_url_file: Option<PathBuf>,
     /// Most connections the pool opens.
     #[arg(long, env = "IDEMPOTENCY_DB_MAX_CONNECTIONS", default_value_t = 16)]
     pub db_max_connections: u32,
@@ -285,8 +300,18 @@ pub struct DatabaseArgs {
 }
 
 impl DatabaseArgs {
+    /// The URL, given or read from its file (each call reads the file).
+    pub fn url(&self) -> Result<DatabaseUrl, DatabaseUrlError> {
+        match (&self.database_url, &self.database_url_file) {
+            (Some(url), None) => Ok(url.clone()),
+            (None, Some(path)) => DatabaseUrl::from_file(path),
+            (Some(_), Some(_)) => Err(DatabaseUrlError::Both),
+            (None, None) => Err(DatabaseUrlError::Missing),
+        }
+    }
+
     pub fn connect_options(&self) -> Result<sqlx::postgres::PgConnectOptions, DatabaseUrlError> {
-        self.database_url.connect_options()
+        self.url()?.connect_options()
     }
 
     pub fn pool_settings(&self) -> PoolSettings {
@@ -355,11 +380,53 @@ mod tests {
         assert_eq!(args.reaper.reaper_batch_size, 1);
     }
 
+    /// The `serve` command line alone: the tests run where DATABASE_URL is set.
+    fn serve_without_env(args: &[&str]) -> Result<ServeArgs, clap::Error> {
+        use clap::{CommandFactory, FromArgMatches};
+        let command = ServeArgs::command().mut_args(|arg| arg.env(None::<&'static str>));
+        ServeArgs::from_arg_matches(&command.try_get_matches_from(args)?)
+    }
+
+    #[test]
+    fn the_database_url_comes_from_exactly_one_of_the_flag_and_the_file() {
+        let url = "postgres://idem:SecretTail@db/x";
+        let file = std::env::temp_dir().join(format!("settings-url-{}", std::process::id()));
+        std::fs::write(&file, format!("{url}\n")).unwrap();
+        let path = file.to_str().unwrap();
+
+        let from_flag = serve_without_env(&["serve", "--database-url", url]).unwrap();
+        let from_file = serve_without_env(&["serve", "--database-url-file", path]).unwrap();
+        let read = from_file.database.url().unwrap();
+        let both =
+            serve_without_env(&["serve", "--database-url", url, "--database-url-file", path])
+                .unwrap_err();
+        let neither = serve_without_env(&["serve"]).unwrap_err();
+        std::fs::remove_file(&file).unwrap();
+        let gone = from_file.database.url().unwrap_err().to_string();
+
+        assert_eq!(from_flag.database.url().unwrap().expose(), url);
+        assert_eq!(read.expose(), url);
+        assert!(
+            gone.contains(path) && !gone.contains("SecretTail"),
+            "{gone}"
+        );
+        let both = both.to_string();
+        assert!(both.contains("--database-url-file"), "{both}");
+        assert!(!both.contains("SecretTail"), "{both}");
+        let neither = neither.to_string();
+        assert!(
+            neither.contains("--database-url") && neither.contains("--database-url-file"),
+            "{neither}"
+        );
+        let debug = format!("{from_flag:?}");
+        assert!(!debug.contains("SecretTail"), "{debug}");
+    }
+
     #[test]
     fn help_never_shows_the_database_url() {
         use clap::CommandFactory;
         let help = ServeArgs::command().render_long_help().to_string();
-        assert!(help.contains("--database-url <DATABASE_URL>"), "{help}");
+        assert!(help.contains("--database-url-file <PATH>"), "{help}");
         // Where the tests run, DATABASE_URL is usually set.
         if let Ok(url) = std::env::var("DATABASE_URL") {
             assert!(!help.contains(&url), "{help}");
