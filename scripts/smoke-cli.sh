@@ -100,4 +100,46 @@ for secret_url in 'postgres://idem:Qx7/SecretTailA@127.0.0.1:1/x' \
 done
 unset IDEMPOTENCY_DB_ACQUIRE_TIMEOUT
 
-echo "smoke-cli: migrate, reap --once, admin, URL file, redaction: ok"
+# admin purge of many records: refused without --yes when no terminal can
+# ask (nothing deleted, exit status 1), done with it; each leaves an audit
+# line on stderr (whatever the log level), and stdout holds the answer
+# alone. The URL carries a password (trust authentication ignores it), which
+# no line shows.
+psql -q "$url" -c "INSERT INTO idempotency_records (namespace, operation, subject, key, state, fingerprint,
+    fencing_token, created_at, expires_at, completed_at, response_status, response_body, response_headers)
+  SELECT 'smoke', 'POST /x', 'user-' || (n % 3), 'live-' || n, 'completed', '', 1, now(),
+         now() + interval '1 hour', now(), 200, '', '{}' FROM generate_series(1, 30) n" >/dev/null
+secret_db_url="${url/postgres@/postgres:SecretTailB@}"
+psql -q "$secret_db_url" -c 'SELECT 1' >/dev/null 2>&1 || secret_db_url="$url"
+count_smoke() { psql -qAt "$url" -c "SELECT count(*) FROM idempotency_records WHERE namespace = 'smoke'"; }
+set +e
+DATABASE_URL="$secret_db_url" "$bin" admin --log-format json --log-level error purge --namespace smoke \
+  </dev/null >"$tmp/out" 2>"$tmp/err"
+status=$?
+set -e
+cat "$tmp/out" "$tmp/err" >"$tmp/purge-all"
+[ "$status" = 1 ] || fail "admin purge without --yes and without a terminal exited $status"
+[ "$(count_smoke)" = 30 ] || fail "admin purge without --yes deleted records"
+grep -q 'not purging 30 records' "$tmp/err" || fail "no clear refusal: $(cat "$tmp/err")"
+grep '"target":"audit"' "$tmp/err" | grep -q '"outcome":"refused"' ||
+  fail "no audit line for the refused purge: $(cat "$tmp/err")"
+DATABASE_URL="$secret_db_url" IDEMPOTENCY_ADMIN_OPERATOR=smoke-operator "$bin" admin purge \
+  --namespace smoke --subject user-1 --yes --json --log-format json >"$tmp/out" 2>"$tmp/err" ||
+  fail "admin purge --yes failed: $(cat "$tmp/err")"
+cat "$tmp/out" "$tmp/err" >>"$tmp/purge-all"
+grep -q '"deleted":10' "$tmp/out" || fail "admin purge --yes answered: $(cat "$tmp/out")"
+[ "$(wc -l <"$tmp/out")" = 1 ] || fail "admin purge printed more than its answer on stdout: $(cat "$tmp/out")"
+audit=$(grep '"target":"audit"' "$tmp/err") || fail "no audit line on stderr: $(cat "$tmp/err")"
+for field in '"event":"admin_purge"' '"outcome":"purged"' '"operator":"smoke-operator"' \
+  '"namespace":"smoke"' '"subject":"user-1"' '"deleted":10' "\"database\":\"127.0.0.1:[0-9]*/$db\""; do
+  grep -q "$field" <<<"$audit" || fail "the audit line lacks $field: $audit"
+done
+[ "$(count_smoke)" = 20 ] || fail "admin purge --subject user-1 left $(count_smoke) of 30 (want 20)"
+DATABASE_URL="$secret_db_url" "$bin" admin purge --namespace smoke --yes >"$tmp/out" 2>"$tmp/err" ||
+  fail "admin purge --yes (text) failed: $(cat "$tmp/err")"
+grep -q 'audit' "$tmp/err" || fail "no audit line in text logs: $(cat "$tmp/err")"
+[ "$(count_smoke)" = 0 ] || fail "admin purge --namespace smoke --yes left records"
+cat "$tmp/out" "$tmp/err" >>"$tmp/purge-all"
+if grep -q SecretTailB "$tmp/purge-all"; then fail "admin purge printed the password"; fi
+
+echo "smoke-cli: migrate, reap --once, admin, purge, URL file, redaction: ok"

@@ -107,10 +107,20 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
             }
         }
         Command::Admin(args) => {
+            // stdout is the command's answer; logs and audit lines go to stderr.
+            telemetry::init_logs_to(&args.log, std::io::stderr);
             let (_, options) = database_url(&args.database)?;
             let pool = connect(&args.database, options, false);
             let mut out = std::io::stdout().lock();
-            if let Err(error) = admin::run(&pool, args.command, args.json, &mut out).await {
+            let answered = admin::run(
+                &pool,
+                args.command,
+                args.json,
+                &mut out,
+                &mut admin::Terminal,
+            )
+            .await;
+            if let Err(error) = answered {
                 eprintln!("idempotencyd admin: {error}");
                 return Ok(ExitCode::FAILURE);
             }

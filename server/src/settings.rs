@@ -193,6 +193,9 @@ pub struct ReapArgs {
 pub struct AdminArgs {
     #[command(flatten)]
     pub database: DatabaseArgs,
+    /// Logs, audit lines among them, go to stderr: stdout is the answer.
+    #[command(flatten)]
+    pub log: LogArgs,
     /// Print JSON instead of text.
     #[arg(long, global = true)]
     pub json: bool,
@@ -204,10 +207,12 @@ pub struct AdminArgs {
 pub enum AdminCommand {
     /// Show one record: state, times, token, response size.
     Get(RecordIdArgs),
-    /// Delete one record so its key can be used again. A replica that
-    /// replayed it recently answers from its replay cache until
+    /// Delete one record so its key can be used again, or every record of a
+    /// namespace matching the parts given. Asks before deleting more than
+    /// one (or --yes); writes an audit line (log target `audit`). A replica
+    /// that replayed a record recently answers from its replay cache until
     /// --replay-cache-max-age (10 s) passes.
-    Purge(RecordIdArgs),
+    Purge(PurgeArgs),
     /// List in-progress records whose lease expired more than --older-than ago.
     Stuck {
         /// How long past its lease a record must be.
@@ -232,6 +237,33 @@ pub struct RecordIdArgs {
     pub subject: String,
     #[arg(long)]
     pub key: String,
+}
+
+/// What `admin purge` deletes: one record when --operation and --key are
+/// given (its subject --subject, empty when left out), otherwise every record
+/// of the namespace matching the parts given.
+#[derive(Debug, Clone, Args)]
+pub struct PurgeArgs {
+    /// The namespace whose records are purged.
+    #[arg(long)]
+    pub namespace: String,
+    /// Only this operation; every operation when left out.
+    #[arg(long)]
+    pub operation: Option<String>,
+    /// Only this subject. Left out: the empty subject when --operation and
+    /// --key name one record, every subject otherwise.
+    #[arg(long)]
+    pub subject: Option<String>,
+    /// Only this key; every key when left out.
+    #[arg(long)]
+    pub key: Option<String>,
+    /// Delete more than one record without asking (needed when stdin is not a terminal).
+    #[arg(long)]
+    pub yes: bool,
+    /// Who runs the purge, for the audit line. Default: $USER or $LOGNAME,
+    /// else the process's uid.
+    #[arg(long, env = "IDEMPOTENCY_ADMIN_OPERATOR")]
+    pub operator: Option<String>,
 }
 
 impl ServeArgs {
@@ -327,10 +359,16 @@ impl DatabaseArgs {
 #[derive(Debug, Clone, Args)]
 pub struct LogArgs {
     /// Log filter, e.g. `info` or `idempotency_server=debug,sqlx=warn`.
-    #[arg(long, env = "IDEMPOTENCY_LOG_LEVEL", default_value = "info")]
+    /// Audit lines (target `audit`) are kept unless the filter names `audit`.
+    #[arg(
+        long,
+        env = "IDEMPOTENCY_LOG_LEVEL",
+        default_value = "info",
+        global = true
+    )]
     pub log_level: String,
     /// Log line format.
-    #[arg(long, env = "IDEMPOTENCY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    #[arg(long, env = "IDEMPOTENCY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     pub log_format: LogFormat,
 }
 
