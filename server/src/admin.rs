@@ -1,16 +1,26 @@
 //! `idempotencyd admin`: operator commands straight on the database (the gRPC
 //! API has no purge on purpose: only operators with database access may free
 //! a key). Text for people, `--json` for scripts.
+//!
+//! Every purge leaves an audit line (log target [`AUDIT_TARGET`], event
+//! `admin_purge`): who ran it, what it matched and deleted, on which
+//! database, or why it deleted nothing. A purge of more than one record is
+//! confirmed first ([`Confirm`]).
 
-use std::io::Write;
+use std::io::{BufRead, IsTerminal, Write};
 
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
 use crate::{
-    domain::{RecordId, Timestamp},
-    settings::{AdminCommand, RecordIdArgs},
-    store::{StoreError, admin, stats},
+    domain::{RecordFilter, RecordId, Timestamp},
+    settings::{AdminCommand, PurgeArgs, RecordIdArgs},
+    store::{
+        StoreError,
+        admin::{self, PurgeLimits},
+        stats,
+    },
+    telemetry::AUDIT_TARGET,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -21,6 +31,10 @@ pub enum AdminError {
     Store(#[from] StoreError),
     #[error("no record has this id")]
     NotFound,
+    #[error("no record matches")]
+    NoMatch,
+    #[error("not purging {matched} records: {reason}")]
+    NotConfirmed { matched: u64, reason: &'static str },
     #[error("writing the output: {0}")]
     Output(#[from] std::io::Error),
 }
@@ -39,12 +53,54 @@ fn time(at: Option<Timestamp>) -> Value {
     at.map_or(Value::Null, |at| json!(at.to_rfc3339()))
 }
 
-/// Runs one admin command and writes its answer to `out`.
+/// The operator's answer to "delete these records?".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    Yes,
+    No,
+    /// Nobody can be asked (stdin is not a terminal).
+    NoTerminal,
+}
+
+/// Asks the operator before a purge of more than one record.
+pub trait Confirm {
+    fn ask(&mut self, question: &str) -> Answer;
+}
+
+impl<F: FnMut(&str) -> Answer> Confirm for F {
+    fn ask(&mut self, question: &str) -> Answer {
+        self(question)
+    }
+}
+
+/// Asks on the terminal: the question on stderr, the answer from stdin,
+/// where only `yes` confirms. Without a terminal on stdin nobody is asked.
+pub struct Terminal;
+
+impl Confirm for Terminal {
+    fn ask(&mut self, question: &str) -> Answer {
+        let stdin = std::io::stdin();
+        if !stdin.is_terminal() {
+            return Answer::NoTerminal;
+        }
+        eprint!("{question} ");
+        let _ = std::io::stderr().flush();
+        let mut line = String::new();
+        match stdin.lock().read_line(&mut line) {
+            Ok(_) if line.trim() == "yes" => Answer::Yes,
+            _ => Answer::No,
+        }
+    }
+}
+
+/// Runs one admin command and writes its answer to `out`; `confirm` is
+/// asked before a purge of more than one record without `--yes`.
 pub async fn run(
     pool: &PgPool,
     command: AdminCommand,
     as_json: bool,
     out: &mut impl Write,
+    confirm: &mut impl Confirm,
 ) -> Result<(), AdminError> {
     let answer = match command {
         AdminCommand::Get(args) => {
@@ -66,14 +122,7 @@ pub async fn run(
                 "response_bytes": response_bytes,
             })
         }
-        AdminCommand::Purge(args) => {
-            let id = record_id(args)?;
-            if !admin::purge(pool, &id).await? {
-                return Err(AdminError::NotFound);
-            }
-            json!({ "purged": true, "namespace": id.namespace(), "operation": id.operation(),
-                    "subject": id.subject(), "key": id.key() })
-        }
+        AdminCommand::Purge(args) => purge(pool, args, confirm).await?,
         AdminCommand::Stuck { older_than, limit } => {
             let records = admin::stuck(pool, older_than, limit).await?;
             Value::Array(
@@ -109,6 +158,211 @@ pub async fn run(
         write_text(&answer, out)?;
     }
     Ok(())
+}
+
+/// `admin purge`: one record by its full id, or the records a filter
+/// matches, counted and confirmed first when more than one.
+async fn purge(
+    pool: &PgPool,
+    args: PurgeArgs,
+    confirm: &mut impl Confirm,
+) -> Result<Value, AdminError> {
+    let operator = args
+        .operator
+        .clone()
+        .unwrap_or_else(|| operator_from(|name| std::env::var(name).ok(), process_uid()));
+    let database = database_of(pool);
+    let audit =
+        |namespace: &str, operation: Option<&str>, subject: Option<&str>, key: Option<&str>| {
+            Audit {
+                operator: &operator,
+                database: &database,
+                namespace: namespace.to_owned(),
+                operation: operation.map(str::to_owned),
+                subject: subject.map(str::to_owned),
+                key: key.map(str::to_owned),
+            }
+        };
+    if let (Some(operation), Some(key)) = (&args.operation, &args.key) {
+        let id = RecordId::parse(
+            "record",
+            args.namespace.clone(),
+            operation.clone(),
+            args.subject.clone().unwrap_or_default(),
+            key.clone(),
+        )?;
+        let audit = audit(
+            id.namespace(),
+            Some(id.operation()),
+            Some(id.subject()),
+            Some(id.key()),
+        );
+        let purged = admin::purge(pool, &id).await;
+        match &purged {
+            Ok(purged) => audit.purged(None, u64::from(*purged)),
+            Err(error) => audit.failed(0, error),
+        }
+        if !purged? {
+            return Err(AdminError::NotFound);
+        }
+        return Ok(json!({
+            "purged": true, "deleted": 1,
+            "namespace": id.namespace(), "operation": id.operation(),
+            "subject": id.subject(), "key": id.key(),
+        }));
+    }
+
+    let filter = RecordFilter::parse(
+        "filter",
+        args.namespace,
+        args.operation,
+        args.subject,
+        args.key,
+    )?;
+    let audit = audit(
+        filter.namespace(),
+        filter.operation(),
+        filter.subject(),
+        filter.key(),
+    );
+    let (matched, counted_at) = admin::count_matching(pool, &filter)
+        .await
+        .inspect_err(|error| audit.failed(0, error))?;
+    if matched == 0 {
+        audit.purged(Some(0), 0);
+        return Err(AdminError::NoMatch);
+    }
+    if matched > 1 && !args.yes {
+        let refused = match confirm.ask(&question(&filter, matched)) {
+            Answer::Yes => None,
+            Answer::No => Some("the answer was not yes"),
+            Answer::NoTerminal => {
+                Some("stdin is not a terminal to ask on (pass --yes to purge without asking)")
+            }
+        };
+        if let Some(reason) = refused {
+            audit.refused(matched, reason);
+            return Err(AdminError::NotConfirmed { matched, reason });
+        }
+    }
+    let mut deleted = 0;
+    let result = admin::purge_matching(
+        pool,
+        &filter,
+        counted_at,
+        &PurgeLimits::default(),
+        &mut deleted,
+    )
+    .await;
+    match &result {
+        Ok(()) => audit.purged(Some(matched), deleted),
+        Err(error) => audit.failed(deleted, error),
+    }
+    result?;
+    Ok(json!({
+        "purged": deleted > 0, "deleted": deleted, "matched": matched,
+        "namespace": filter.namespace(), "operation": filter.operation(),
+        "subject": filter.subject(), "key": filter.key(),
+    }))
+}
+
+/// "delete 1234 records of namespace payments, operation "POST /x"? type yes:"
+fn question(filter: &RecordFilter, matched: u64) -> String {
+    let mut question = format!(
+        "delete {matched} records of namespace {}",
+        filter.namespace()
+    );
+    for (name, value) in [
+        ("operation", filter.operation()),
+        ("subject", filter.subject()),
+        ("key", filter.key()),
+    ] {
+        if let Some(value) = value {
+            question.push_str(&format!(", {name} {value:?}"));
+        }
+    }
+    question.push_str("? type yes:");
+    question
+}
+
+/// Who runs the command: $USER or $LOGNAME, else `uid:<n>`.
+fn operator_from(env: impl Fn(&str) -> Option<String>, uid: Option<u32>) -> String {
+    ["USER", "LOGNAME"]
+        .into_iter()
+        .filter_map(env)
+        .find(|name| !name.is_empty())
+        .unwrap_or_else(|| uid.map_or_else(|| "unknown".to_owned(), |uid| format!("uid:{uid}")))
+}
+
+/// The real uid of this process, from `/proc/self/status` (Linux).
+fn process_uid() -> Option<u32> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    uid_in(&status)
+}
+
+fn uid_in(status: &str) -> Option<u32> {
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// `host:port/database` of the pool (never the password).
+fn database_of(pool: &PgPool) -> String {
+    let options = pool.connect_options();
+    let host = match options.get_socket() {
+        Some(socket) => socket.display().to_string(),
+        None => format!("{}:{}", options.get_host(), options.get_port()),
+    };
+    let database = options
+        .get_database()
+        .unwrap_or_else(|| options.get_username());
+    format!("{host}/{database}")
+}
+
+/// The audit line of one purge: who, where, which records.
+struct Audit<'a> {
+    operator: &'a str,
+    database: &'a str,
+    namespace: String,
+    operation: Option<String>,
+    subject: Option<String>,
+    key: Option<String>,
+}
+
+impl Audit<'_> {
+    fn purged(&self, matched: Option<u64>, deleted: u64) {
+        self.write("purged", matched, deleted, None);
+    }
+
+    fn refused(&self, matched: u64, reason: &str) {
+        self.write("refused", Some(matched), 0, Some(reason));
+    }
+
+    fn failed(&self, deleted: u64, error: &StoreError) {
+        self.write("failed", None, deleted, Some(&error.to_string()));
+    }
+
+    fn write(&self, outcome: &str, matched: Option<u64>, deleted: u64, reason: Option<&str>) {
+        tracing::info!(
+            target: AUDIT_TARGET,
+            event = "admin_purge",
+            outcome,
+            operator = self.operator,
+            database = self.database,
+            namespace = self.namespace,
+            operation = self.operation.as_deref(),
+            subject = self.subject.as_deref(),
+            key = self.key.as_deref(),
+            matched,
+            deleted,
+            reason,
+            "admin purge"
+        );
+    }
 }
 
 /// One `name  value` line per field; a list as one block per item.
@@ -154,5 +408,50 @@ fn plain(value: &Value) -> String {
         Value::Null => "-".into(),
         Value::String(text) => text.clone(),
         other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_operator_is_the_user_else_the_login_name_else_the_uid() {
+        let env = |vars: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                vars.iter()
+                    .find(|(var, _)| *var == name)
+                    .map(|(_, value)| (*value).to_owned())
+            }
+        };
+        assert_eq!(
+            operator_from(env(&[("USER", "ana"), ("LOGNAME", "bo")]), Some(7)),
+            "ana"
+        );
+        assert_eq!(
+            operator_from(env(&[("USER", ""), ("LOGNAME", "bo")]), Some(7)),
+            "bo"
+        );
+        assert_eq!(operator_from(env(&[]), Some(1000)), "uid:1000");
+        assert_eq!(operator_from(env(&[]), None), "unknown");
+        let status = "Name:\tidempotencyd\nUid:\t1000\t1000\t1000\t1000\nGid:\t100\n";
+        assert_eq!(uid_in(status), Some(1000));
+        assert_eq!(uid_in("Name: x\n"), None);
+    }
+
+    #[test]
+    fn the_question_names_the_count_and_the_filter() {
+        let filter = RecordFilter::parse(
+            "filter",
+            "payments".into(),
+            Some("POST /x".into()),
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            question(&filter, 1234),
+            "delete 1234 records of namespace payments, operation \"POST /x\"? type yes:"
+        );
     }
 }

@@ -1,6 +1,7 @@
 //! The idempotency service. The request path, top to bottom:
 //!
-//! - [`settings`]: command line and environment;
+//! - [`settings`]: command line and environment ([`database_url`]: the
+//!   database URL, checked, and redacted for logs);
 //! - [`startup`]: binds the listeners, wires the parts, runs until a shutdown
 //!   future resolves, then drains;
 //! - [`grpc`]: thin adapters, protobuf in and out, errors mapped to statuses
@@ -17,6 +18,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod database_url;
 pub mod db;
 pub mod domain;
 pub mod engine;

@@ -5,26 +5,31 @@ use clap::Parser;
 use idempotency_server::{
     admin, db,
     maintenance::{self},
-    settings::{Cli, Command, DatabaseArgs},
+    settings::{Cli, Command, DatabaseArgs, DatabaseUrl},
     shutdown,
     startup::{Application, ServerConfig},
     telemetry,
 };
+use sqlx::postgres::PgConnectOptions;
 
 /// A pool held to index lookups (serving, reaping), or not: migrations (a
 /// backfill reads every row) and the admin CLI's `stats` read whole tables.
-fn connect(database: &DatabaseArgs, index_lookups_only: bool) -> anyhow::Result<sqlx::PgPool> {
+fn connect(
+    database: &DatabaseArgs,
+    options: PgConnectOptions,
+    index_lookups_only: bool,
+) -> sqlx::PgPool {
     let settings = db::PoolSettings {
         index_lookups_only,
         ..database.pool_settings()
     };
-    pool_with(database, &settings)
+    db::pool(options, &settings)
 }
 
 /// Migrations run without the serving pool's statement timeout (5 s by
 /// default), which would cut a long migration or the wait for another
 /// pod's run short.
-async fn migrate(database: &DatabaseArgs) -> anyhow::Result<()> {
+async fn migrate(database: &DatabaseArgs, options: PgConnectOptions) -> anyhow::Result<()> {
     let settings = db::PoolSettings {
         index_lookups_only: false,
         statement_timeout: database
@@ -32,17 +37,18 @@ async fn migrate(database: &DatabaseArgs) -> anyhow::Result<()> {
             .max(db::MIGRATION_STATEMENT_TIMEOUT),
         ..database.pool_settings()
     };
-    let pool = pool_with(database, &settings)?;
+    let pool = db::pool(options, &settings);
     db::migrate(&pool).await.context("applying migrations")?;
     pool.close().await;
     Ok(())
 }
 
-fn pool_with(database: &DatabaseArgs, settings: &db::PoolSettings) -> anyhow::Result<sqlx::PgPool> {
-    Ok(db::pool(
-        database.connect_options().context("parsing DATABASE_URL")?,
-        settings,
-    ))
+/// The database URL (read from its file once, at start) and its connect
+/// options. No error quotes the URL or the file's content.
+fn database_url(database: &DatabaseArgs) -> anyhow::Result<(DatabaseUrl, PgConnectOptions)> {
+    let url = database.url()?;
+    let options = url.connect_options()?;
+    Ok((url, options))
 }
 
 fn main() -> anyhow::Result<ExitCode> {
@@ -64,10 +70,11 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         Command::Serve(args) => {
             telemetry::init_logs(&args.log);
-            tracing::info!(database = %args.database.database_url.redacted(), "starting");
-            let pool = connect(&args.database, true)?;
+            let (url, options) = database_url(&args.database)?;
+            tracing::info!(database = %url.redacted(), "starting");
+            let pool = connect(&args.database, options.clone(), true);
             if args.migrate {
-                migrate(&args.database).await?;
+                migrate(&args.database, options).await?;
                 tracing::info!("migrations applied");
             }
             telemetry::metrics_handle();
@@ -78,12 +85,14 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Migrate(args) => {
             telemetry::init_logs(&args.log);
-            migrate(&args.database).await?;
-            tracing::info!(database = %args.database.database_url.redacted(), "migrations applied");
+            let (url, options) = database_url(&args.database)?;
+            migrate(&args.database, options).await?;
+            tracing::info!(database = %url.redacted(), "migrations applied");
         }
         Command::Reap(args) => {
             telemetry::init_logs(&args.log);
-            let pool = connect(&args.database, true)?;
+            let (_, options) = database_url(&args.database)?;
+            let pool = connect(&args.database, options, true);
             let settings = args.reaper.settings();
             if !args.once {
                 tokio::select! {
@@ -98,9 +107,20 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
             }
         }
         Command::Admin(args) => {
-            let pool = connect(&args.database, false)?;
+            // stdout is the command's answer; logs and audit lines go to stderr.
+            telemetry::init_logs_to(&args.log, std::io::stderr);
+            let (_, options) = database_url(&args.database)?;
+            let pool = connect(&args.database, options, false);
             let mut out = std::io::stdout().lock();
-            if let Err(error) = admin::run(&pool, args.command, args.json, &mut out).await {
+            let answered = admin::run(
+                &pool,
+                args.command,
+                args.json,
+                &mut out,
+                &mut admin::Terminal,
+            )
+            .await;
+            if let Err(error) = answered {
                 eprintln!("idempotencyd admin: {error}");
                 return Ok(ExitCode::FAILURE);
             }

@@ -2,10 +2,11 @@
 //! `IDEMPOTENCY_*` variable (the database URL reads `DATABASE_URL`); defaults
 //! show in `--help`; durations read like `30s`, `24h`, `7d`.
 
-use std::{fmt, net::SocketAddr, path::PathBuf, str::FromStr, time::Duration};
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
 
+pub use crate::database_url::{DatabaseUrl, DatabaseUrlError};
 use crate::{
     db::PoolSettings, domain::Limits, maintenance::ReaperSettings, store::reaper::ReapLimits,
 };
@@ -281,6 +282,9 @@ pub struct ReapArgs {
 pub struct AdminArgs {
     #[command(flatten)]
     pub database: DatabaseArgs,
+    /// Logs, audit lines among them, go to stderr: stdout is the answer.
+    #[command(flatten)]
+    pub log: LogArgs,
     /// Print JSON instead of text.
     #[arg(long, global = true)]
     pub json: bool,
@@ -292,10 +296,12 @@ pub struct AdminArgs {
 pub enum AdminCommand {
     /// Show one record: state, times, token, response size.
     Get(RecordIdArgs),
-    /// Delete one record so its key can be used again. A replica that
-    /// replayed it recently answers from its replay cache until
+    /// Delete one record so its key can be used again, or every record of a
+    /// namespace matching the parts given. Asks before deleting more than
+    /// one (or --yes); writes an audit line (log target `audit`). A replica
+    /// that replayed a record recently answers from its replay cache until
     /// --replay-cache-max-age (10 s) passes.
-    Purge(RecordIdArgs),
+    Purge(PurgeArgs),
     /// List in-progress records whose lease expired more than --older-than ago.
     Stuck {
         /// How long past its lease a record must be.
@@ -320,6 +326,33 @@ pub struct RecordIdArgs {
     pub subject: String,
     #[arg(long)]
     pub key: String,
+}
+
+/// What `admin purge` deletes: one record when --operation and --key are
+/// given (its subject --subject, empty when left out), otherwise every record
+/// of the namespace matching the parts given.
+#[derive(Debug, Clone, Args)]
+pub struct PurgeArgs {
+    /// The namespace whose records are purged.
+    #[arg(long)]
+    pub namespace: String,
+    /// Only this operation; every operation when left out.
+    #[arg(long)]
+    pub operation: Option<String>,
+    /// Only this subject. Left out: the empty subject when --operation and
+    /// --key name one record, every subject otherwise.
+    #[arg(long)]
+    pub subject: Option<String>,
+    /// Only this key; every key when left out.
+    #[arg(long)]
+    pub key: Option<String>,
+    /// Delete more than one record without asking (needed when stdin is not a terminal).
+    #[arg(long)]
+    pub yes: bool,
+    /// Who runs the purge, for the audit line. Default: $USER or $LOGNAME,
+    /// else the process's uid.
+    #[arg(long, env = "IDEMPOTENCY_ADMIN_OPERATOR")]
+    pub operator: Option<String>,
 }
 
 impl ServeArgs {
@@ -354,11 +387,28 @@ fn positive_duration(text: &str) -> Result<Duration, String> {
     }
 }
 
+/// Where the database is, and how the pool uses it. The URL comes from
+/// exactly one of --database-url (DATABASE_URL) and --database-url-file
+/// (DATABASE_URL_FILE).
 #[derive(Debug, Clone, Args)]
+#[command(group(
+    ArgGroup::new("database_url_source")
+        .args(["database_url", "database_url_file"])
+        .required(true)
+        .multiple(false)
+))]
 pub struct DatabaseArgs {
     /// Postgres URL, e.g. postgres://user:password@host:5432/idempotency.
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-    pub database_url: DatabaseUrl,
+    /// Percent-encode `/`, `?`, `#` and `@` in the user name and password
+    /// (`/` as %2F). Or give --database-url-file instead.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true, value_name = "URL")]
+    pub database_url: Option<DatabaseUrl>,
+    /// A file holding the Postgres URL (a mounted secret), read at start,
+    /// trailing whitespace ignored: the password stays out of the process's
+    /// arguments and environment. Instead of --database-url, and with
+    /// DATABASE_URL unset.
+    #[arg(long, env = "DATABASE_URL_FILE", value_name = "PATH")]
+    pub database_url_file: Option<PathBuf>,
     /// Most connections the pool opens.
     #[arg(long, env = "IDEMPOTENCY_DB_MAX_CONNECTIONS", default_value_t = 16)]
     pub db_max_connections: u32,
@@ -371,8 +421,18 @@ pub struct DatabaseArgs {
 }
 
 impl DatabaseArgs {
-    pub fn connect_options(&self) -> Result<sqlx::postgres::PgConnectOptions, sqlx::Error> {
-        self.database_url.expose().parse()
+    /// The URL, given or read from its file (each call reads the file).
+    pub fn url(&self) -> Result<DatabaseUrl, DatabaseUrlError> {
+        match (&self.database_url, &self.database_url_file) {
+            (Some(url), None) => Ok(url.clone()),
+            (None, Some(path)) => DatabaseUrl::from_file(path),
+            (Some(_), Some(_)) => Err(DatabaseUrlError::Both),
+            (None, None) => Err(DatabaseUrlError::Missing),
+        }
+    }
+
+    pub fn connect_options(&self) -> Result<sqlx::postgres::PgConnectOptions, DatabaseUrlError> {
+        self.url()?.connect_options()
     }
 
     pub fn pool_settings(&self) -> PoolSettings {
@@ -388,10 +448,16 @@ impl DatabaseArgs {
 #[derive(Debug, Clone, Args)]
 pub struct LogArgs {
     /// Log filter, e.g. `info` or `idempotency_server=debug,sqlx=warn`.
-    #[arg(long, env = "IDEMPOTENCY_LOG_LEVEL", default_value = "info")]
+    /// Audit lines (target `audit`) are kept unless the filter names `audit`.
+    #[arg(
+        long,
+        env = "IDEMPOTENCY_LOG_LEVEL",
+        default_value = "info",
+        global = true
+    )]
     pub log_level: String,
     /// Log line format.
-    #[arg(long, env = "IDEMPOTENCY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    #[arg(long, env = "IDEMPOTENCY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     pub log_format: LogFormat,
 }
 
@@ -401,75 +467,9 @@ pub enum LogFormat {
     Json,
 }
 
-/// A database URL whose password never reaches a log or `Debug` output.
-#[derive(Clone)]
-pub struct DatabaseUrl(String);
-
-impl DatabaseUrl {
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-
-    /// The URL with its password replaced, for logs.
-    pub fn redacted(&self) -> String {
-        let mut url = self.0.clone();
-        // A password given as a query parameter: cut from there on.
-        if let Some(at) = url.find("password=") {
-            url.truncate(at);
-            url.push_str("password=***");
-        }
-        let Some(authority_start) = url.find("://").map(|at| at + 3) else {
-            return "<unparsable database url>".into();
-        };
-        let authority_end = url[authority_start..]
-            .find(['/', '?'])
-            .map_or(url.len(), |at| authority_start + at);
-        if let Some(at) = url[authority_start..authority_end].rfind('@') {
-            let userinfo = authority_start..authority_start + at;
-            if let Some(colon) = url[userinfo.clone()].find(':') {
-                url.replace_range(authority_start + colon + 1..userinfo.end, "***");
-            }
-        }
-        url
-    }
-}
-
-impl fmt::Debug for DatabaseUrl {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.redacted())
-    }
-}
-
-impl FromStr for DatabaseUrl {
-    type Err = std::convert::Infallible;
-
-    fn from_str(url: &str) -> Result<Self, Self::Err> {
-        Ok(Self(url.to_owned()))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn passwords_never_show() {
-        let url = |s: &str| s.parse::<DatabaseUrl>().unwrap().redacted();
-        assert_eq!(
-            url("postgres://app:s3cr@t@db:5432/x"),
-            "postgres://app:***@db:5432/x"
-        );
-        assert_eq!(url("postgres://app@db/x"), "postgres://app@db/x");
-        assert_eq!(
-            url("postgres://db/x?user=a&password=p&ssl=1"),
-            "postgres://db/x?user=a&password=***"
-        );
-        let debug = format!(
-            "{:?}",
-            "postgres://u:hunter2@h/d".parse::<DatabaseUrl>().unwrap()
-        );
-        assert!(!debug.contains("hunter2"), "{debug}");
-    }
 
     #[test]
     fn worker_threads_default_to_the_runtime_and_refuse_zero() {
@@ -505,6 +505,59 @@ mod tests {
         let args = serve(&["--reaper-interval", "1s", "--reaper-batch-size", "1"]).unwrap();
         assert_eq!(args.reaper.reaper_interval, Duration::from_secs(1));
         assert_eq!(args.reaper.reaper_batch_size, 1);
+    }
+
+    /// The `serve` command line alone: the tests run where DATABASE_URL is set.
+    fn serve_without_env(args: &[&str]) -> Result<ServeArgs, clap::Error> {
+        use clap::{CommandFactory, FromArgMatches};
+        let command = ServeArgs::command().mut_args(|arg| arg.env(None::<&'static str>));
+        ServeArgs::from_arg_matches(&command.try_get_matches_from(args)?)
+    }
+
+    #[test]
+    fn the_database_url_comes_from_exactly_one_of_the_flag_and_the_file() {
+        let url = "postgres://idem:SecretTail@db/x";
+        let file = std::env::temp_dir().join(format!("settings-url-{}", std::process::id()));
+        std::fs::write(&file, format!("{url}\n")).unwrap();
+        let path = file.to_str().unwrap();
+
+        let from_flag = serve_without_env(&["serve", "--database-url", url]).unwrap();
+        let from_file = serve_without_env(&["serve", "--database-url-file", path]).unwrap();
+        let read = from_file.database.url().unwrap();
+        let both =
+            serve_without_env(&["serve", "--database-url", url, "--database-url-file", path])
+                .unwrap_err();
+        let neither = serve_without_env(&["serve"]).unwrap_err();
+        std::fs::remove_file(&file).unwrap();
+        let gone = from_file.database.url().unwrap_err().to_string();
+
+        assert_eq!(from_flag.database.url().unwrap().expose(), url);
+        assert_eq!(read.expose(), url);
+        assert!(
+            gone.contains(path) && !gone.contains("SecretTail"),
+            "{gone}"
+        );
+        let both = both.to_string();
+        assert!(both.contains("--database-url-file"), "{both}");
+        assert!(!both.contains("SecretTail"), "{both}");
+        let neither = neither.to_string();
+        assert!(
+            neither.contains("--database-url") && neither.contains("--database-url-file"),
+            "{neither}"
+        );
+        let debug = format!("{from_flag:?}");
+        assert!(!debug.contains("SecretTail"), "{debug}");
+    }
+
+    #[test]
+    fn help_never_shows_the_database_url() {
+        use clap::CommandFactory;
+        let help = ServeArgs::command().render_long_help().to_string();
+        assert!(help.contains("--database-url-file <PATH>"), "{help}");
+        // Where the tests run, DATABASE_URL is usually set.
+        if let Ok(url) = std::env::var("DATABASE_URL") {
+            assert!(!help.contains(&url), "{help}");
+        }
     }
 
     #[test]

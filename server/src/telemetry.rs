@@ -3,24 +3,50 @@
 use std::sync::OnceLock;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use tracing_subscriber::{EnvFilter, fmt};
+use tracing_subscriber::{EnvFilter, fmt, fmt::MakeWriter};
 
 use crate::settings::{LogArgs, LogFormat};
 
-/// Installs the global log subscriber. Call once, first thing in `main`.
+/// The log target of audit lines (an operator's `admin purge`).
+pub const AUDIT_TARGET: &str = "audit";
+
+/// Installs the global log subscriber, writing to stdout. Call once, first
+/// thing in `main`.
 pub fn init_logs(args: &LogArgs) {
-    let filter = EnvFilter::try_new(&args.log_level).unwrap_or_else(|error| {
-        eprintln!(
-            "invalid log level {:?} ({error}); using info",
-            args.log_level
-        );
-        EnvFilter::new("info")
-    });
-    let builder = fmt().with_env_filter(filter).with_target(true);
+    init_logs_to(args, std::io::stdout);
+}
+
+/// Installs the global log subscriber, writing to `writer`: stderr for the
+/// commands whose stdout is their answer (`admin`).
+pub fn init_logs_to<W>(args: &LogArgs, writer: W)
+where
+    W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
+{
+    let builder = fmt()
+        .with_env_filter(filter(&args.log_level))
+        .with_target(true)
+        .with_writer(writer);
     match args.log_format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
     }
+}
+
+/// The filter `--log-level` asks for, with audit lines kept whatever the
+/// level unless it names the audit target itself.
+fn filter(log_level: &str) -> EnvFilter {
+    let filter = EnvFilter::try_new(log_level).unwrap_or_else(|error| {
+        eprintln!("invalid log level {log_level:?} ({error}); using info");
+        EnvFilter::new("info")
+    });
+    if log_level.contains(AUDIT_TARGET) {
+        return filter;
+    }
+    filter.add_directive(
+        format!("{AUDIT_TARGET}=info")
+            .parse()
+            .expect("a valid directive"),
+    )
 }
 
 /// Request durations: from 100 µs to 10 s, roughly three buckets per decade.

@@ -10,7 +10,7 @@ mod response;
 pub use fingerprint::Fingerprint;
 pub use limits::Limits;
 pub use outcome::{AcquireOutcome, Record, RecordState};
-pub use record_id::RecordId;
+pub use record_id::{RecordFilter, RecordId};
 pub use response::StoredResponse;
 
 /// Monotonic number of an attempt on one record: 1, then +1 on every takeover.

@@ -53,6 +53,59 @@ impl RecordId {
     }
 }
 
+/// Records of one namespace, narrowed by any of the other three parts of
+/// their id: what an operator's purge deletes. Only [`RecordFilter::parse`]
+/// builds one; each part given is valid as in a [`RecordId`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordFilter {
+    namespace: String,
+    operation: Option<String>,
+    subject: Option<String>,
+    key: Option<String>,
+}
+
+impl RecordFilter {
+    /// Validates the parts given; `prefix` names the fields in errors.
+    pub fn parse(
+        prefix: &str,
+        namespace: String,
+        operation: Option<String>,
+        subject: Option<String>,
+        key: Option<String>,
+    ) -> Result<Self, InvalidField> {
+        let field = |name: &str| format!("{prefix}.{name}");
+        check_namespace(&namespace).map_err(|d| InvalidField::new(field("namespace"), d))?;
+        let check = |name: &str, value: &Option<String>, check: fn(&str) -> Result<(), String>| {
+            value
+                .as_deref()
+                .map_or(Ok(()), check)
+                .map_err(|d| InvalidField::new(field(name), d))
+        };
+        check("operation", &operation, check_operation)?;
+        check("subject", &subject, check_subject)?;
+        check("key", &key, check_key)?;
+        Ok(Self {
+            namespace,
+            operation,
+            subject,
+            key,
+        })
+    }
+
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+    pub fn operation(&self) -> Option<&str> {
+        self.operation.as_deref()
+    }
+    pub fn subject(&self) -> Option<&str> {
+        self.subject.as_deref()
+    }
+    pub fn key(&self) -> Option<&str> {
+        self.key.as_deref()
+    }
+}
+
 fn check_namespace(value: &str) -> Result<(), String> {
     let bytes = value.as_bytes();
     if bytes.is_empty() || bytes.len() > NAMESPACE_MAX {
@@ -182,5 +235,30 @@ mod tests {
             "id.subject"
         );
         assert_eq!(field_of(id("ns", "op", "a\0b", "abcdefgh")), "id.subject");
+    }
+
+    #[test]
+    fn a_filter_needs_a_valid_namespace_and_checks_each_part_given() {
+        let filter = |operation: Option<&str>, subject: Option<&str>, key: Option<&str>| {
+            RecordFilter::parse(
+                "purge",
+                "payments".into(),
+                operation.map(Into::into),
+                subject.map(Into::into),
+                key.map(Into::into),
+            )
+        };
+        let all = filter(None, None, None).unwrap();
+        assert_eq!(
+            (all.namespace(), all.operation(), all.subject(), all.key()),
+            ("payments", None, None, None)
+        );
+        assert!(filter(Some("POST /x"), Some(""), Some("abcdefgh")).is_ok());
+        let field = |result: Result<RecordFilter, InvalidField>| result.unwrap_err().field;
+        assert_eq!(field(filter(Some(""), None, None)), "purge.operation");
+        assert_eq!(field(filter(None, Some("a\0b"), None)), "purge.subject");
+        assert_eq!(field(filter(None, None, Some("short"))), "purge.key");
+        let namespace = RecordFilter::parse("purge", "Payments".into(), None, None, None);
+        assert_eq!(field(namespace), "purge.namespace");
     }
 }

@@ -1,9 +1,11 @@
 //! Queries behind `idempotencyd admin`: for operators and support, not the hot path.
 
+use std::time::Duration;
+
 use sqlx::PgPool;
 
 use super::{RecordRow, Store, StoreResult};
-use crate::domain::{RecordId, Timestamp};
+use crate::domain::{RecordFilter, RecordId, Timestamp};
 
 /// Deletes one record whatever its state, so that its key is free at once.
 /// `false`: there was none.
@@ -19,6 +21,100 @@ pub async fn purge(pool: &PgPool, id: &RecordId) -> StoreResult<bool> {
     .execute(pool)
     .await?;
     Ok(result.rows_affected() > 0)
+}
+
+/// The records a filter matches ($1 to $4); each part left out matches any
+/// value. A macro, so that the statements stay `&'static str`.
+macro_rules! matching {
+    () => {
+        "namespace = $1
+         AND ($2::text IS NULL OR operation = $2)
+         AND ($3::text IS NULL OR subject = $3)
+         AND ($4::text IS NULL OR key = $4)"
+    };
+}
+
+/// How many records match, whatever their state, and the database time of
+/// the count: [`purge_matching`] deletes only records created by then, so
+/// records created while the operator confirms are not deleted unseen.
+pub async fn count_matching(pool: &PgPool, filter: &RecordFilter) -> StoreResult<(u64, Timestamp)> {
+    let (count, counted_at): (i64, Timestamp) = sqlx::query_as(concat!(
+        "SELECT count(*), now() FROM idempotency_records WHERE ",
+        matching!()
+    ))
+    .bind(filter.namespace())
+    .bind(filter.operation())
+    .bind(filter.subject())
+    .bind(filter.key())
+    .fetch_one(pool)
+    .await?;
+    Ok((count.try_into().unwrap_or(0), counted_at))
+}
+
+/// How a purge of many records deletes: short statements, with room for
+/// live traffic between them (as the reaper does).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PurgeLimits {
+    /// Rows per DELETE statement.
+    pub batch_size: u32,
+    /// Pause after a full batch.
+    pub batch_pause: Duration,
+}
+
+impl Default for PurgeLimits {
+    fn default() -> Self {
+        Self {
+            batch_size: 1000,
+            batch_pause: Duration::from_millis(50),
+        }
+    }
+}
+
+/// Deletes the records a filter matches that were created at or before
+/// `created_by`, whatever their state, in batches until none is left.
+/// `deleted` counts rows as batches commit, so it is right after an error too.
+pub async fn purge_matching(
+    pool: &PgPool,
+    filter: &RecordFilter,
+    created_by: Timestamp,
+    limits: &PurgeLimits,
+    deleted: &mut u64,
+) -> StoreResult<()> {
+    // The outer conditions re-check the row as locked (an Acquire may have
+    // started a new lifetime of an expired key meanwhile).
+    const SQL: &str = concat!(
+        "DELETE FROM idempotency_records
+         WHERE (namespace, operation, subject, key) IN (
+             SELECT namespace, operation, subject, key
+             FROM idempotency_records
+             WHERE created_at <= $5 AND ",
+        matching!(),
+        " LIMIT $6)
+           AND created_at <= $5 AND ",
+        matching!()
+    );
+    let batch_size = limits.batch_size.max(1);
+    loop {
+        let rows = sqlx::query(SQL)
+            .bind(filter.namespace())
+            .bind(filter.operation())
+            .bind(filter.subject())
+            .bind(filter.key())
+            .bind(created_by)
+            .bind(i64::from(batch_size))
+            .execute(pool)
+            .await?
+            .rows_affected();
+        *deleted += rows;
+        // A short batch may have raced the reaper or another purge: go on
+        // until a statement finds nothing.
+        if rows == 0 {
+            return Ok(());
+        }
+        if rows >= u64::from(batch_size) {
+            tokio::time::sleep(limits.batch_pause).await;
+        }
+    }
 }
 
 /// Reads a record, expired or not, with the size of its stored response.

@@ -174,7 +174,7 @@ async fn a_purge_reaches_a_replica_that_cached_the_record_within_the_max_age() {
     let mut client = server.client.clone();
     let id = completed_and_replayed(&mut client, "cached-purge", "{}").await;
 
-    run_admin(&db, AdminCommand::Purge(id_args(&id)), false)
+    run_admin(&db, AdminCommand::Purge(purge_args(&id)), false)
         .await
         .unwrap();
 

@@ -169,15 +169,103 @@ pub fn id_args(id: &pb::RecordId) -> idempotency_server::settings::RecordIdArgs 
     }
 }
 
-/// Runs an admin CLI command against `db` and returns what it printed.
+/// The admin CLI's arguments to purge the one record `id`.
+pub fn purge_args(id: &pb::RecordId) -> idempotency_server::settings::PurgeArgs {
+    idempotency_server::settings::PurgeArgs {
+        namespace: id.namespace.clone(),
+        operation: Some(id.operation.clone()),
+        subject: Some(id.subject.clone()),
+        key: Some(id.key.clone()),
+        yes: false,
+        operator: Some("test-operator".into()),
+    }
+}
+
+/// Runs an admin CLI command against `db` and returns what it printed. A
+/// purge of more than one record finds no terminal to confirm it on.
 pub async fn run_admin(
     db: &idempotency_tests::TestDb,
     command: idempotency_server::settings::AdminCommand,
     json: bool,
 ) -> Result<String, idempotency_server::admin::AdminError> {
+    let (printed, _questions) = run_admin_answering(
+        db,
+        command,
+        json,
+        idempotency_server::admin::Answer::NoTerminal,
+    )
+    .await;
+    printed
+}
+
+/// Runs an admin CLI command, answering `answer` to any question it asks;
+/// returns what it printed and the questions.
+pub async fn run_admin_answering(
+    db: &idempotency_tests::TestDb,
+    command: idempotency_server::settings::AdminCommand,
+    json: bool,
+    answer: idempotency_server::admin::Answer,
+) -> (
+    Result<String, idempotency_server::admin::AdminError>,
+    Vec<String>,
+) {
     let mut out = Vec::new();
-    idempotency_server::admin::run(&db.pool, command, json, &mut out).await?;
-    Ok(String::from_utf8(out).unwrap())
+    let mut questions = Vec::new();
+    let mut confirm = |question: &str| {
+        questions.push(question.to_owned());
+        answer
+    };
+    let ran = idempotency_server::admin::run(&db.pool, command, json, &mut out, &mut confirm).await;
+    (ran.map(|()| String::from_utf8(out).unwrap()), questions)
+}
+
+/// Runs `future` with its log events captured as JSON (one object per
+/// event); the future must run on this thread (a current-thread test).
+pub async fn capture_logs<F: std::future::Future>(
+    future: F,
+) -> (F::Output, Vec<serde_json::Value>) {
+    use std::sync::{Arc, Mutex};
+    use tracing_subscriber::util::SubscriberInitExt;
+
+    #[derive(Clone)]
+    struct Buffer(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Buffer {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    let buffer = Buffer(Arc::default());
+    let writer = buffer.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .json()
+        .flatten_event(true)
+        .with_target(true)
+        .with_writer(move || writer.clone())
+        .finish();
+    let output = {
+        let _guard = subscriber.set_default();
+        future.await
+    };
+    let text = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
+    let events = text
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    (output, events)
+}
+
+/// The audit lines among captured log events.
+pub fn audit_lines(events: &[serde_json::Value]) -> Vec<serde_json::Value> {
+    events
+        .iter()
+        .filter(|event| event["target"] == "audit")
+        .cloned()
+        .collect()
 }
 
 /// Polls /metrics until `series` has a value satisfying `expected`.

@@ -76,7 +76,7 @@ async fn a_holder_that_outlived_its_record(purged: bool) {
     if purged {
         run_admin(
             &db,
-            idempotency_server::settings::AdminCommand::Purge(id_args(&id)),
+            idempotency_server::settings::AdminCommand::Purge(purge_args(&id)),
             false,
         )
         .await
