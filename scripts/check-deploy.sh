@@ -8,16 +8,21 @@
 #   - helm lint --strict                 (deploy/tools/helm.py, helm-python-sdk)
 #   - helm template, schema included     (same)
 #   - kubernetes-validate --strict -k $KUBE_VERSION on every rendered manifest,
-#     except the Prometheus Operator's CRD kinds (ServiceMonitor,
-#     PrometheusRule), for which it ships no schema: those are skipped by
-#     name and said so; the PrometheusRule's rules go through promtool instead
-#   - deploy/tools/check_manifests.py: how the manifests fit together
+#     except the CRD kinds of the Prometheus Operator (ServiceMonitor,
+#     PrometheusRule) and of cert-manager (Certificate), for which it ships no
+#     schema: those are skipped by name and said so; the PrometheusRule's rules
+#     go through promtool, and check_manifests.py checks the Certificate's essentials
+#   - deploy/tools/check_manifests.py: how the manifests fit together (with
+#     default values it also requires the NetworkPolicy, which is on by default)
 # and once:
 #   - every value in values.yaml has a comment above it
 #   - the two copies of the alert rules are identical
 #   - the PrometheusRule rendered with default values has exactly those rules
 #   - promtool check rules, promtool test rules; promtool parses every dashboard query
 #   - alerts and dashboard query only metrics the service exports
+#   - values the chart must refuse (inconsistent security settings among them)
+#   - editing the auth policy or the JWKS leaves the pods as they are (the
+#     server re-reads those files; a pod template change would roll them)
 #
 # Prints one line per check and a summary; exits 1 when any check failed.
 # Work files go to target/deploy-check/.
@@ -29,7 +34,7 @@ CHART=deploy/helm/idempotency
 VENV=target/tools/venv
 PY=$VENV/bin/python
 OUT=target/deploy-check
-SKIPPED_KINDS="ServiceMonitor PrometheusRule"
+SKIPPED_KINDS="ServiceMonitor PrometheusRule Certificate"
 RELEASE=idempotency
 NAMESPACE=idempotency
 
@@ -108,6 +113,7 @@ for case in "${cases[@]}"; do
     run "kubernetes-validate --strict -k $KUBE_VERSION ($case; skips $SKIPPED_KINDS)" validate_case "$dir"
     rules_args=(--rules-out "$OUT/$case-rules.yaml")
     [ "$case" = monitoring-values ] && rules_args+=(--expect-rules deploy/prometheus/alerts.yaml)
+    [ "$case" = default ] && rules_args+=(--expect-network-policy)
     run "manifests fit together ($case)" \
       "$PY" deploy/tools/check_manifests.py manifests "$dir" "${rules_args[@]}"
     if [ -s "$OUT/$case-rules.yaml" ]; then
@@ -139,6 +145,68 @@ run "chart refuses a grace period a drain in milliseconds would outlast" \
 printf 'replicaCount: 1\nautoscaling:\n  enabled: false\n' >"$OUT/refuse-blocked-drain.yaml"
 run "chart refuses a disruption budget that blocks node drains" \
   refuses "$OUT/refuse-blocked-drain.yaml" "must be less than the fewest pods (1)"
+printf 'ports:\n  health: 50051\n' >"$OUT/refuse-same-ports.yaml"
+run "chart refuses a health port that is the gRPC port" \
+  refuses "$OUT/refuse-same-ports.yaml" "and ports.health (50051) must differ"
+
+# Security settings: each a combination the server refuses, or one that would
+# leave the service open, unreachable or tokens in clear text without a word.
+GRANT='[[grant]]\n      principals = ["system:serviceaccount:payments:*"]\n      namespaces = ["payments"]\n      role = "caller"\n'
+printf 'tls:\n  clientAuth:\n    enabled: true\n' >"$OUT/refuse-mtls-without-tls.yaml"
+run "chart refuses client certificates without TLS" \
+  refuses "$OUT/refuse-mtls-without-tls.yaml" "tls.clientAuth.enabled needs tls.enabled"
+printf 'tls:\n  enabled: true\n' >"$OUT/refuse-tls-without-secret.yaml"
+run "chart refuses TLS without a Secret or cert-manager" \
+  refuses "$OUT/refuse-tls-without-secret.yaml" "tls.enabled needs tls.secretName"
+printf 'tls:\n  enabled: true\n  certManager:\n    enabled: true\n' >"$OUT/refuse-issuerless.yaml"
+run "chart refuses a cert-manager Certificate without an issuer" \
+  refuses "$OUT/refuse-issuerless.yaml" "tls.certManager.issuerRef.name is required"
+printf 'tls:\n  certManager:\n    enabled: true\n    issuerRef:\n      name: ca\n' >"$OUT/refuse-cert-without-tls.yaml"
+run "chart refuses a cert-manager Certificate with TLS off" \
+  refuses "$OUT/refuse-cert-without-tls.yaml" "tls.certManager.enabled needs tls.enabled"
+printf 'tls:\n  enabled: true\n  secretName: idem-tls\n  clientAuth:\n    enabled: true\n' >"$OUT/refuse-policyless.yaml"
+run "chart refuses authentication without a policy" \
+  refuses "$OUT/refuse-policyless.yaml" "auth.policy (inline or existingConfigMap) is required"
+printf "auth:\n  policy:\n    inline: |\n      $GRANT" >"$OUT/refuse-policy-only.yaml"
+run "chart refuses a policy no caller can be named by" \
+  refuses "$OUT/refuse-policy-only.yaml" "auth.policy is set but no caller can prove who it is"
+printf "tls:\n  enabled: true\n  secretName: idem-tls\nauth:\n  jwt:\n    enabled: true\n    issuer: https://kubernetes.default.svc.cluster.local\n    jwks:\n      existingConfigMap: cluster-jwks\n  policy:\n    inline: |\n      $GRANT" >"$OUT/refuse-jwt-audience.yaml"
+run "chart refuses JWTs without an audience" \
+  refuses "$OUT/refuse-jwt-audience.yaml" "auth.jwt.enabled needs auth.jwt.issuer and auth.jwt.audience"
+printf "tls:\n  enabled: true\n  secretName: idem-tls\nauth:\n  jwt:\n    enabled: true\n    issuer: https://kubernetes.default.svc.cluster.local\n    audience: idempotency\n    jwks:\n      inline: '{\"kty\": \"RSA\"}'\n  policy:\n    inline: |\n      $GRANT" >"$OUT/refuse-jwks.yaml"
+run "chart refuses an inline JWKS without keys" \
+  refuses "$OUT/refuse-jwks.yaml" "auth.jwt.jwks.inline is not a JWKS"
+printf "auth:\n  staticTokens:\n    existingSecret: idem-tokens\n  policy:\n    inline: |\n      $GRANT" >"$OUT/refuse-plaintext-tokens.yaml"
+run "chart refuses bearer tokens without TLS" \
+  refuses "$OUT/refuse-plaintext-tokens.yaml" "bearer tokens would cross the network in clear text"
+printf 'tls:\n  enabled: true\n  secretName: idem-tls\n  clientAuth:\n    enabled: true\nauth:\n  policy:\n    inline: |\n      [[grant]]\n      principals = ["spiffe://cluster.local/ns/payments/sa/api"]\n      namespaces = ["payments"]\n      role = "owner"\n' >"$OUT/refuse-policy-role.yaml"
+run "chart refuses a policy grant with an unknown role" \
+  refuses "$OUT/refuse-policy-role.yaml" "grant 1 has role owner; the roles are caller, reader and admin"
+printf 'tls:\n  enabled: true\n  secretName: idem-tls\n  clientAuth:\n    enabled: true\nauth:\n  policy:\n    inline: |\n      [[grant]\n      role = "caller"\n' >"$OUT/refuse-policy-toml.yaml"
+run "chart refuses a policy that is not TOML" \
+  refuses "$OUT/refuse-policy-toml.yaml" "auth.policy.inline is not valid TOML"
+
+# The server re-reads the policy and the JWKS: editing them must change their
+# ConfigMaps and leave the pod template (and so the running pods) alone.
+edit_keeps_pods() {
+  local base=$OUT/security-values edited=$OUT/security-values-edited
+  printf 'auth:\n  policy:\n    inline: |\n      [[grant]]\n      principals = ["system:serviceaccount:checkout:*"]\n      namespaces = ["checkout"]\n      role = "caller"\n  jwt:\n    jwks:\n      inline: |\n        {"keys": [{"kty": "EC", "kid": "rotated", "crv": "P-256", "x": "f83OJ3D2xF1Bg8vub9tLe1gHMzV76e8Tus9uPHvRVEU", "y": "x_FEzRu9m36HLN_tue659LNpXW6pCyStikYjKIWI5a0"}]}\n' >"$OUT/edit-policy-jwks.yaml"
+  [ -d "$base" ] || { echo "case security-values was not rendered"; return 1; }
+  "$PY" deploy/tools/helm.py template "$RELEASE" "$CHART" -f "$CHART/ci/security-values.yaml" -f "$OUT/edit-policy-jwks.yaml" \
+    -n "$NAMESPACE" --split "$edited" >/dev/null || return 1
+  local kind file changed=0
+  for kind in Deployment ConfigMap-idempotency.yaml; do
+    for file in "$base"/*-"$kind"*; do
+      diff -u "$file" "$edited/$(basename "$file")" || { echo "changed: $(basename "$file")"; return 1; }
+    done
+  done
+  for file in "$base"/*-ConfigMap-idempotency-auth-policy.yaml "$base"/*-ConfigMap-idempotency-jwks.yaml; do
+    cmp -s "$file" "$edited/$(basename "$file")" && { echo "the edit did not reach $(basename "$file")"; return 1; }
+    changed=$((changed + 1))
+  done
+  echo "the policy and JWKS ConfigMaps changed ($changed), the Deployment and the settings did not"
+}
+run "editing the auth policy or the JWKS does not roll the pods" edit_keeps_pods
 
 same_rules() {
   [ -f deploy/prometheus/alerts.yaml ] || { echo "deploy/prometheus/alerts.yaml is missing"; return 1; }

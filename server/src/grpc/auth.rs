@@ -31,9 +31,12 @@ use crate::{
     },
 };
 
-/// The authenticated principal of a call (a request extension).
+/// The authenticated principal of a call, and where it called from (a request extension).
 #[derive(Debug, Clone)]
-pub struct Caller(pub Arc<str>);
+pub struct Caller {
+    pub principal: Arc<str>,
+    pub remote: Option<SocketAddr>,
+}
 
 const HEALTH_PREFIX: &str = "/grpc.health.v1.Health/";
 const REFLECTION_PREFIX: &str = "/grpc.reflection.";
@@ -86,6 +89,17 @@ fn remote_addr(extensions: &http::Extensions) -> Option<SocketAddr> {
         })
 }
 
+/// An address as the audit log shows it.
+fn shown(remote: Option<SocketAddr>) -> String {
+    remote.map_or_else(|| "unknown".to_owned(), |addr| addr.to_string())
+}
+
+/// The method of a gRPC path (`/idempotency.v1.IdempotencyService/Acquire`
+/// is `Acquire`), as the handlers name their RPCs in the audit log.
+fn method(path: &str) -> &str {
+    path.rsplit('/').next().unwrap_or(path)
+}
+
 impl<S, B> tower::Service<http::Request<B>> for Authenticated<S>
 where
     S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
@@ -114,19 +128,17 @@ where
             .headers()
             .get(http::header::AUTHORIZATION)
             .map(|value| value.as_bytes());
+        let remote = remote_addr(request.extensions());
         let denied = match auth.credentials.authenticate(authorization, peer) {
-            Err(rejection) => Some(unauthenticated(
-                path,
-                remote_addr(request.extensions()),
-                &rejection,
-            )),
+            Err(rejection) => Some(unauthenticated(method(path), remote, &rejection)),
             Ok(principal) => {
                 let refused =
                     path.starts_with(REFLECTION_PREFIX) && !auth.policy.current().names(&principal);
-                let denied = refused.then(|| {
-                    reflection_forbidden(path, remote_addr(request.extensions()), &principal)
-                });
-                request.extensions_mut().insert(Caller(principal));
+                let denied =
+                    refused.then(|| reflection_forbidden(method(path), remote, &principal));
+                request
+                    .extensions_mut()
+                    .insert(Caller { principal, remote });
                 denied
             }
         };
@@ -137,14 +149,14 @@ where
     }
 }
 
-fn unauthenticated(path: &str, remote: Option<SocketAddr>, rejection: &Rejection) -> Status {
+fn unauthenticated(rpc: &str, remote: Option<SocketAddr>, rejection: &Rejection) -> Status {
     metrics::auth_denied(rejection.reason());
     tracing::warn!(
         target: "audit",
         event = "auth_denied",
         reason = rejection.reason(),
-        rpc = path,
-        remote = ?remote,
+        rpc,
+        remote = shown(remote),
         detail = %rejection,
         "call refused: not authenticated"
     );
@@ -155,14 +167,14 @@ fn unauthenticated(path: &str, remote: Option<SocketAddr>, rejection: &Rejection
     )
 }
 
-fn reflection_forbidden(path: &str, remote: Option<SocketAddr>, principal: &str) -> Status {
+fn reflection_forbidden(rpc: &str, remote: Option<SocketAddr>, principal: &str) -> Status {
     metrics::auth_denied("reflection_forbidden");
     tracing::warn!(
         target: "audit",
         event = "auth_denied",
         reason = "reflection_forbidden",
-        rpc = path,
-        remote = ?remote,
+        rpc,
+        remote = shown(remote),
         principal,
         "call refused: the policy names no grant for this principal"
     );
@@ -200,7 +212,7 @@ impl Authorizer {
         };
         // The layer puts a caller on every authenticated request; a handler
         // reached without one is refused rather than trusted.
-        let Some(Caller(principal)) = caller else {
+        let Some(Caller { principal, remote }) = caller else {
             return Err(unauthenticated(rpc, None, &Rejection::NoCredential));
         };
         if auth.policy.current().allows(principal, namespace, access) {
@@ -212,6 +224,7 @@ impl Authorizer {
             event = "auth_denied",
             reason = "namespace_forbidden",
             rpc,
+            remote = shown(*remote),
             principal = &**principal,
             namespace,
             access = access.as_str(),

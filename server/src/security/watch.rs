@@ -95,8 +95,12 @@ impl<T> Watched<T> {
         let contents = match read_all(&self.paths) {
             Ok(contents) => contents,
             Err(error) => {
-                // A file briefly missing mid-swap is read again at the next check.
+                // A file briefly missing mid-swap is read again at the next
+                // check, and parsed then even if unchanged, so that the
+                // gauge says whether the version in force is on disk.
                 tracing::warn!(kind = self.kind, %error, "cannot read a watched file; keeping the version in force");
+                metrics::config_file_loaded(self.kind, false);
+                self.seen.lock().expect("not poisoned").clear();
                 return false;
             }
         };

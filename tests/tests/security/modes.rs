@@ -303,10 +303,12 @@ async fn every_denial_is_counted_and_audited_without_the_credential() {
         "{log}"
     );
     assert_eq!(lines[0]["reason"], "invalid_token");
-    assert!(
-        lines[0]["rpc"].as_str().unwrap().ends_with("/Acquire"),
-        "{log}"
-    );
+    assert_eq!(lines[0]["rpc"], "Acquire", "{log}");
+    assert_eq!(lines[2]["rpc"], "Get", "{log}");
+    for line in &lines {
+        let remote = line["remote"].as_str().unwrap();
+        assert!(remote.starts_with("127.0.0.1:"), "{log}");
+    }
     assert_eq!(lines[1]["reason"], "no_credential");
     assert_eq!(lines[2]["reason"], "namespace_forbidden");
     assert_eq!(lines[2]["principal"], PAYMENTS_SPIFFE);
