@@ -152,3 +152,59 @@ pub async fn wait_for_lock_wait(db: &TestDb) {
     }
     panic!("no statement ever waited on the lock");
 }
+
+/// Asserts the status's code and its `ErrorInfo` reason.
+#[track_caller]
+pub fn assert_error(
+    result: Result<impl std::fmt::Debug, tonic::Status>,
+    code: tonic::Code,
+    reason: &str,
+) -> tonic::Status {
+    let status = result.expect_err("the call should fail");
+    assert_eq!(status.code(), code, "{status:?}");
+    let info =
+        tonic_types::StatusExt::get_details_error_info(&status).expect("an ErrorInfo detail");
+    assert_eq!(info.reason, reason, "{status:?}");
+    assert_eq!(info.domain, "idempotency");
+    status
+}
+
+/// Runs `future` with its log events captured as JSON (one object per
+/// event); the future must run on this thread (a current-thread test).
+pub async fn capture_logs<F: std::future::Future>(
+    future: F,
+) -> (F::Output, Vec<serde_json::Value>) {
+    use std::sync::{Arc, Mutex};
+    use tracing_subscriber::util::SubscriberInitExt;
+
+    #[derive(Clone)]
+    struct Buffer(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Buffer {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    let buffer = Buffer(Arc::default());
+    let writer = buffer.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .json()
+        .flatten_event(true)
+        .with_target(true)
+        .with_writer(move || writer.clone())
+        .finish();
+    let output = {
+        let _guard = subscriber.set_default();
+        future.await
+    };
+    let text = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
+    let events = text
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    (output, events)
+}

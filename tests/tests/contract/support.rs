@@ -1,10 +1,11 @@
 //! Short forms of the calls the tests make over and over.
 
+pub use idempotency_tests::{assert_error, capture_logs};
+
 use idempotency_client::pb::{
     self, acquire_response::Outcome, idempotency_service_client::IdempotencyServiceClient,
 };
-use tonic::{Code, Status, transport::Channel};
-use tonic_types::StatusExt;
+use tonic::{Status, transport::Channel};
 
 pub type Client = IdempotencyServiceClient<Channel>;
 
@@ -121,23 +122,6 @@ pub async fn get(client: &mut Client, id: &pb::RecordId) -> Result<pb::Record, S
         })
 }
 
-/// Asserts the status's code and its `ErrorInfo` reason.
-#[track_caller]
-pub fn assert_error(
-    result: Result<impl std::fmt::Debug, Status>,
-    code: Code,
-    reason: &str,
-) -> Status {
-    let status = result.expect_err("the call should fail");
-    assert_eq!(status.code(), code, "{status:?}");
-    let info = status
-        .get_details_error_info()
-        .expect("an ErrorInfo detail");
-    assert_eq!(info.reason, reason, "{status:?}");
-    assert_eq!(info.domain, "idempotency");
-    status
-}
-
 /// Waits out a lease (or ttl) of `seconds`, with margin for the database clock.
 pub async fn wait_past(seconds: u64) {
     tokio::time::sleep(std::time::Duration::from_millis(seconds * 1000 + 150)).await;
@@ -217,46 +201,6 @@ pub async fn run_admin_answering(
     };
     let ran = idempotency_server::admin::run(&db.pool, command, json, &mut out, &mut confirm).await;
     (ran.map(|()| String::from_utf8(out).unwrap()), questions)
-}
-
-/// Runs `future` with its log events captured as JSON (one object per
-/// event); the future must run on this thread (a current-thread test).
-pub async fn capture_logs<F: std::future::Future>(
-    future: F,
-) -> (F::Output, Vec<serde_json::Value>) {
-    use std::sync::{Arc, Mutex};
-    use tracing_subscriber::util::SubscriberInitExt;
-
-    #[derive(Clone)]
-    struct Buffer(Arc<Mutex<Vec<u8>>>);
-    impl std::io::Write for Buffer {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(bytes);
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    let buffer = Buffer(Arc::default());
-    let writer = buffer.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .json()
-        .flatten_event(true)
-        .with_target(true)
-        .with_writer(move || writer.clone())
-        .finish();
-    let output = {
-        let _guard = subscriber.set_default();
-        future.await
-    };
-    let text = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
-    let events = text
-        .lines()
-        .map(|line| serde_json::from_str(line).unwrap())
-        .collect();
-    (output, events)
 }
 
 /// The audit lines among captured log events.

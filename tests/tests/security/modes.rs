@@ -1,8 +1,6 @@
 //! Health for probes, reflection under the policy, settings refused at
 //! start, the metrics and the audit log.
 
-use std::sync::{Arc, Mutex};
-
 use idempotency_server::{
     security::SecurityConfig,
     startup::{Application, ServerConfig, StartupError},
@@ -223,56 +221,37 @@ async fn an_open_server_says_so_in_its_metrics() {
     );
 }
 
-/// Log lines written while a test runs.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 #[tokio::test]
 async fn every_denial_is_counted_and_audited_without_the_credential() {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    tracing_subscriber::fmt()
-        .json()
-        .flatten_event(true)
-        .with_env_filter("audit=info")
-        .with_writer(move || writer.clone())
-        .init();
-    let secured = Secured::start_with(|config| ServerConfig {
-        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-        ..config
+    let ((page, bad_token), events) = idempotency_tests::capture_logs(async {
+        let secured = Secured::start_with(|config| ServerConfig {
+            metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+            ..config
+        })
+        .await;
+        let bad_token = secured.rsa.sign(&idempotency_tests::security::claims(
+            PAYMENTS_SA,
+            idempotency_tests::security::ISSUER,
+            "someone-else",
+            3600,
+        ));
+        let mut bad = secured.bearer(&bad_token).await;
+        let _ = acquire(&mut bad, &id("payments", "audit-key-00001"))
+            .await
+            .unwrap_err();
+        let mut anonymous = secured.anonymous().await;
+        let _ = get(&mut anonymous, &id("payments", "audit-key-00001"))
+            .await
+            .unwrap_err();
+        let mut stranger = secured.mtls(PAYMENTS_SPIFFE).await;
+        let _ = get(&mut stranger, &id("refunds", "audit-key-00002"))
+            .await
+            .unwrap_err();
+
+        let page = http_get(secured.server.metrics_addr.unwrap(), "/metrics").await;
+        (page, bad_token)
     })
     .await;
-    let bad_token = secured.rsa.sign(&idempotency_tests::security::claims(
-        PAYMENTS_SA,
-        idempotency_tests::security::ISSUER,
-        "someone-else",
-        3600,
-    ));
-    let mut bad = secured.bearer(&bad_token).await;
-    let _ = acquire(&mut bad, &id("payments", "audit-key-00001"))
-        .await
-        .unwrap_err();
-    let mut anonymous = secured.anonymous().await;
-    let _ = get(&mut anonymous, &id("payments", "audit-key-00001"))
-        .await
-        .unwrap_err();
-    let mut stranger = secured.mtls(PAYMENTS_SPIFFE).await;
-    let _ = get(&mut stranger, &id("refunds", "audit-key-00002"))
-        .await
-        .unwrap_err();
-
-    let page = http_get(secured.server.metrics_addr.unwrap(), "/metrics").await;
     assert_eq!(
         metric_value(&page, r#"idempotency_auth_mode{mode="auth"}"#),
         Some(1.0),
@@ -291,11 +270,14 @@ async fn every_denial_is_counted_and_audited_without_the_credential() {
         "no principal in a metric label"
     );
 
-    let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
-    let lines: Vec<serde_json::Value> = log
-        .lines()
-        .map(|line| serde_json::from_str(line).unwrap_or_else(|_| panic!("not JSON: {line}")))
-        .filter(|line: &serde_json::Value| line["target"] == "audit")
+    let log = events
+        .iter()
+        .map(serde_json::Value::to_string)
+        .collect::<Vec<_>>()
+        .join("\n");
+    let lines: Vec<&serde_json::Value> = events
+        .iter()
+        .filter(|event| event["target"] == "audit")
         .collect();
     assert_eq!(lines.len(), 3, "{log}");
     assert!(

@@ -163,17 +163,7 @@ pub fn response() -> pb::StoredResponse {
 }
 
 /// Asserts the code and `ErrorInfo` reason of a refused call.
-#[track_caller]
-pub fn refused<T: std::fmt::Debug>(result: Result<T, Status>, code: Code, reason: &str) -> Status {
-    let status = result.expect_err("the call should be refused");
-    assert_eq!(status.code(), code, "{status:?}");
-    let info = status
-        .get_details_error_info()
-        .expect("an ErrorInfo detail");
-    assert_eq!(info.reason, reason, "{status:?}");
-    assert_eq!(info.domain, "idempotency");
-    status
-}
+pub use idempotency_tests::assert_error as refused;
 
 /// The code and reason of a `google.rpc.Status` in a batch item.
 pub fn item_reason(status: &tonic_types::pb::Status) -> (i32, String) {
