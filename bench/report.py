@@ -111,7 +111,7 @@ def service_record(scenario, c, rep, path, before, after, wal, vmhwm):
 def progress(raw):
     r = json.loads(open(raw).read().splitlines()[-1])
     lat = r["latency_us"]
-    line = "bench:   %-8s %-8s c=%-3d rep %d: %9.1f/s  p50 %6.2f ms  p99 %6.2f ms  other load %3.0f %%" % (
+    line = "bench:   %-8s %-11s c=%-3d rep %d: %9.1f/s  p50 %6.2f ms  p99 %6.2f ms  other load %3.0f %%" % (
         r["tool"], r["scenario"], r["concurrency"], r["rep"], r["ops_per_sec"],
         (lat["p50"] or 0) / 1000, (lat["p99"] or 0) / 1000, 100 * (r.get("other_cpu_busy") or 0))
     if r.get("errors_total"):
@@ -150,17 +150,96 @@ ROW_LABEL = {
 }
 
 
-def paired_ratios(pgbench_runs, service_runs):
-    """service / pgbench for each repetition both ran, in repetition order."""
-    pgbench = {r["rep"]: r["ops_per_sec"] for r in pgbench_runs}
-    return [round(r["ops_per_sec"] / pgbench[r["rep"]], 3)
-            for r in sorted(service_runs, key=lambda r: r["rep"])
-            if pgbench.get(r["rep"]) and r["ops_per_sec"]]
+# The auth part: new-key pairs through servers with TLS and auth on or off.
+AUTH_PREFIX = "auth-"
+AUTH_LABEL = {
+    "off": "auth off (plaintext)",
+    "tls": "TLS only",
+    "jwt": "TLS + JWT",
+    "static": "TLS + static token",
+}
+
+
+def paired_ratios(base_runs, runs):
+    """runs / base_runs (e.g. service / pgbench) for each repetition both ran, in repetition order."""
+    base = {r["rep"]: r["ops_per_sec"] for r in base_runs}
+    return [round(r["ops_per_sec"] / base[r["rep"]], 3)
+            for r in sorted(runs, key=lambda r: r["rep"])
+            if base.get(r["rep"]) and r["ops_per_sec"]]
+
+
+def medians(rs, tool):
+    """The medians of one row's runs (one tool, scenario and concurrency)."""
+    s = {
+        "ops_per_sec": median([r["ops_per_sec"] for r in rs]),
+        "p50_us": median([r["latency_us"]["p50"] for r in rs]),
+        "p99_us": median([r["latency_us"]["p99"] for r in rs]),
+        "p999_us": median([r["latency_us"]["p999"] for r in rs]),
+        "machine_cpu_busy": median([r.get("machine_cpu_busy") for r in rs]),
+        # All the CPU the machine spent per operation: Postgres, the
+        # server, pgbench or the load generator, the kernel.
+        "machine_cpu_us_per_op": median([
+            round(r["machine_cpu_busy"] * os.cpu_count() * 1e6 / r["ops_per_sec"])
+            for r in rs if r.get("machine_cpu_busy") is not None and r["ops_per_sec"]]),
+        "other_cpu_busy": median([r.get("other_cpu_busy") for r in rs]),
+        "wal_bytes_per_op": median([r.get("wal_bytes_per_op") for r in rs]),
+        "errors_total": sum(r.get("errors_total") or 0 for r in rs),
+        "runs": rs,
+    }
+    if tool == "service":
+        s["acquire_p50_us"] = median([r["acquire_latency_us"]["p50"] for r in rs])
+        s["acquire_p99_us"] = median([r["acquire_latency_us"]["p99"] for r in rs])
+        s["server_cpu_seconds"] = median([r.get("server_cpu_seconds") for r in rs])
+        s["client_cpu_seconds"] = median([r.get("client_cpu_seconds") for r in rs])
+        per_op = [r["server_cpu_seconds"] * 1e6 / r["ops"]
+                  for r in rs if r.get("server_cpu_seconds") is not None and r["ops"]]
+        s["server_cpu_us_per_op"] = round(median(per_op), 1) if per_op else None
+        s["server_vmhwm_kb"] = max(r["server_vmhwm_kb"] for r in rs)
+    return s
+
+
+def auth_results(runs):
+    """Each auth variant at each concurrency, against auth off in the same repetitions."""
+    results = []
+    order = []
+    for r in runs:
+        if (r["scenario"], r["concurrency"]) not in order:
+            order.append((r["scenario"], r["concurrency"]))
+    for scenario, c in order:
+        rs = [r for r in runs if r["scenario"] == scenario and r["concurrency"] == c]
+        s = medians(rs, "service")
+        ops = [r["ops_per_sec"] for r in rs]
+        per_op = [r["client_cpu_seconds"] * 1e6 / r["ops"]
+                  for r in rs if r.get("client_cpu_seconds") is not None and r["ops"]]
+        s.update({
+            "variant": scenario[len(AUTH_PREFIX):], "concurrency": c,
+            "ops_per_sec_min": min(ops), "ops_per_sec_max": max(ops),
+            "client_cpu_us_per_op": round(median(per_op), 1) if per_op else None,
+        })
+        results.append(s)
+    known = list(AUTH_LABEL)
+    results.sort(key=lambda s: (s["concurrency"], known.index(s["variant"])
+                                if s["variant"] in known else len(known)))
+    for s in results:
+        off = next((o for o in results
+                    if o["variant"] == "off" and o["concurrency"] == s["concurrency"]), None)
+        if off is None:
+            s["ratio_to_off"], s["ratios_per_repeat"], s["ratio_per_repeat_median"] = None, [], None
+            continue
+        s["ratio_to_off"] = (round(s["ops_per_sec"] / off["ops_per_sec"], 3)
+                             if s["ops_per_sec"] and off["ops_per_sec"] else None)
+        # Each repetition against auth off in the same repetition (the
+        # variants run one after another, a minute at most apart).
+        s["ratios_per_repeat"] = paired_ratios(off["runs"], s["runs"])
+        s["ratio_per_repeat_median"] = median(s["ratios_per_repeat"])
+    return results
 
 
 def summary(raw, out, meta_json):
     meta = json.loads(meta_json)
-    runs = [json.loads(line) for line in open(raw)]
+    all_runs = [json.loads(line) for line in open(raw)]
+    runs = [r for r in all_runs if not r["scenario"].startswith(AUTH_PREFIX)]
+    auth = auth_results([r for r in all_runs if r["scenario"].startswith(AUTH_PREFIX)])
     order = []
     for r in runs:
         if r["tool"] == "service" and (r["scenario"], r["concurrency"]) not in order:
@@ -173,32 +252,7 @@ def summary(raw, out, meta_json):
             wanted = PGBENCH_SCENARIO.get(scenario, scenario) if tool == "pgbench" else scenario
             rs = [r for r in runs
                   if r["tool"] == tool and r["scenario"] == wanted and r["concurrency"] == c]
-            s = {
-                "ops_per_sec": median([r["ops_per_sec"] for r in rs]),
-                "p50_us": median([r["latency_us"]["p50"] for r in rs]),
-                "p99_us": median([r["latency_us"]["p99"] for r in rs]),
-                "p999_us": median([r["latency_us"]["p999"] for r in rs]),
-                "machine_cpu_busy": median([r.get("machine_cpu_busy") for r in rs]),
-                # All the CPU the machine spent per operation: Postgres, the
-                # server, pgbench or the load generator, the kernel.
-                "machine_cpu_us_per_op": median([
-                    round(r["machine_cpu_busy"] * os.cpu_count() * 1e6 / r["ops_per_sec"])
-                    for r in rs if r.get("machine_cpu_busy") is not None and r["ops_per_sec"]]),
-                "other_cpu_busy": median([r.get("other_cpu_busy") for r in rs]),
-                "wal_bytes_per_op": median([r.get("wal_bytes_per_op") for r in rs]),
-                "errors_total": sum(r.get("errors_total") or 0 for r in rs),
-                "runs": rs,
-            }
-            if tool == "service":
-                s["acquire_p50_us"] = median([r["acquire_latency_us"]["p50"] for r in rs])
-                s["acquire_p99_us"] = median([r["acquire_latency_us"]["p99"] for r in rs])
-                s["server_cpu_seconds"] = median([r.get("server_cpu_seconds") for r in rs])
-                s["client_cpu_seconds"] = median([r.get("client_cpu_seconds") for r in rs])
-                per_op = [r["server_cpu_seconds"] * 1e6 / r["ops"]
-                          for r in rs if r.get("server_cpu_seconds") is not None and r["ops"]]
-                s["server_cpu_us_per_op"] = round(median(per_op), 1) if per_op else None
-                s["server_vmhwm_kb"] = max(r["server_vmhwm_kb"] for r in rs)
-            entry[tool] = s
+            entry[tool] = medians(rs, tool)
         p, sv = entry["pgbench"]["ops_per_sec"], entry["service"]["ops_per_sec"]
         entry["ratio_service_to_pgbench"] = round(sv / p, 3) if p and sv else None
         # Each repetition's service run against the pgbench run just before
@@ -213,6 +267,7 @@ def summary(raw, out, meta_json):
         "machine": {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "memory_gib": mem_gib(),
                     "kernel": platform.release()},
         "results": results,
+        "auth": auth,
     }
     with open(out + ".json", "w") as f:
         json.dump(doc, f, indent=2)
@@ -226,7 +281,8 @@ def summary(raw, out, meta_json):
     def pct(x):
         return "-" if x is None else f"{x * 100:.0f}"
 
-    lines = [
+    lines = [] if results else ["(no pgbench comparison in this run)"]
+    lines += [] if not results else [
         "| scenario | conc. | pgbench /s | service /s | service / pgbench "
         "| p50 / p99 ms, pgbench | p50 / p99 ms, service | server CPU s (µs/op) "
         "| server peak RSS MiB | machine CPU µs/op, pgbench / service "
@@ -247,6 +303,7 @@ def summary(raw, out, meta_json):
             f"| {num(p['wal_bytes_per_op'])} / {num(s['wal_bytes_per_op'])} "
             f"| {pct(p['other_cpu_busy'])} / {pct(s['other_cpu_busy'])} |")
     errors = sum(e["pgbench"]["errors_total"] + e["service"]["errors_total"] for e in results)
+    errors += sum(a["errors_total"] for a in auth)
     pg = meta["postgres"]
     lines.append("")
     lines.append(
@@ -254,13 +311,16 @@ def summary(raw, out, meta_json):
         f"Postgres {pg['version']}, fsync={pg['fsync']}, synchronous_commit={pg['synchronous_commit']}; "
         f"{os.cpu_count()} CPUs ({cpu_model()}); server at {meta.get('git_commit', '?')}.")
     lines.append("")
-    lines.append("Service / pgbench per repetition (each against the pgbench run just before it):")
-    lines.append("")
+    if results:
+        lines.append("Service / pgbench per repetition (each against the pgbench run just before it):")
+        lines.append("")
     for e in results:
         if e["ratios_per_repeat"]:
             ratios = ", ".join(f"{r:.2f}" for r in e["ratios_per_repeat"])
             lines.append(f"- {ROW_LABEL.get(e['scenario'], e['scenario'])} at {e['concurrency']}: "
                          f"{ratios} (median {e['ratio_per_repeat_median']:.2f})")
+    if auth:
+        lines += [""] + auth_table(auth, meta, ms, num, pct)
     table = "\n".join(lines)
     with open(out + ".md", "w") as f:
         f.write(table + "\n")
@@ -268,6 +328,39 @@ def summary(raw, out, meta_json):
     print(table)
     print()
     print(f"results: {out}.json and {out}.md")
+
+
+def auth_label(variant, meta):
+    label = AUTH_LABEL.get(variant, variant)
+    files = meta.get("settings", {}).get("auth", {}).get("files", {})
+    if variant == "jwt" and files.get("jwt"):
+        label += f" ({files['jwt']['algorithm']}, {files['jwt']['bytes']:,} bytes)"
+    return label
+
+
+def auth_table(auth, meta, ms, num, pct):
+    """The cost of TLS and auth: new-key pairs with each on, against off."""
+    lines = [
+        "The cost of TLS and auth (new-key pairs, one gRPC connection, variants interleaved):",
+        "",
+        "| new-key pairs | conc. | pairs/s (min–max) | / auth off | per repetition / off "
+        "| p50 / p99 ms | Acquire p50 / p99 ms | server CPU µs/pair | load generator CPU µs/pair "
+        "| machine CPU µs/pair | server peak RSS MiB | other load % |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for a in auth:
+        ratio = "-" if a["ratio_to_off"] is None else f"{a['ratio_to_off']:.3f}"
+        per_rep = "-" if a["variant"] == "off" else (
+            ", ".join(f"{r:.2f}" for r in a["ratios_per_repeat"]) or "-")
+        lines.append(
+            f"| {auth_label(a['variant'], meta)} | {a['concurrency']} "
+            f"| {num(a['ops_per_sec'])} ({num(a['ops_per_sec_min'])}–{num(a['ops_per_sec_max'])}) "
+            f"| {ratio} | {per_rep} | {ms(a['p50_us'])} / {ms(a['p99_us'])} "
+            f"| {ms(a['acquire_p50_us'])} / {ms(a['acquire_p99_us'])} "
+            f"| {num(a['server_cpu_us_per_op'])} | {num(a['client_cpu_us_per_op'])} "
+            f"| {num(a['machine_cpu_us_per_op'])} | {a['server_vmhwm_kb'] / 1024:.0f} "
+            f"| {pct(a['other_cpu_busy'])} |")
+    return lines
 
 
 def main(argv):

@@ -11,9 +11,20 @@
 #             on the server as configured (replay cache on: hits from memory)
 #             and on a second server with --replay-cache-bytes 0 (row
 #             "replay-db": every replay reads Postgres).
+# Then, for each concurrency in BENCH_AUTH_CONCURRENCY (default "64"), the
+# cost of TLS and auth: new keys through four servers, interleaved (the
+# order rotated each repetition): "off" (plaintext, no auth, as above),
+# "tls" (TLS, no auth), "jwt" (TLS, and an RS256 JWT shaped like a
+# Kubernetes service-account token on every RPC, checked against a JWKS)
+# and "static" (TLS and a static token); BENCH_AUTH_VARIANTS picks among
+# them. The certificates, keys, tokens and policy are made by
+# `idempotency-bench --make-auth-files target/bench/auth` (key and token
+# files mode 0600; only their paths reach any command line).
 # Each measurement runs BENCH_SECONDS (default 10) and is repeated
 # BENCH_REPEATS times (default 3), pgbench and service interleaved; the table
 # shows medians. Results: target/bench/results-<timestamp>.{json,md}.
+# BENCH_ONLY picks parts: any of "new-keys replay auth" (default: all);
+# BENCH_AUTH=0 leaves the auth part out.
 #
 # BENCH_SERVER_THREADS (default 1) is the server's --worker-threads: on this
 # two-CPU machine the server shares the CPUs with Postgres and the load
@@ -56,6 +67,17 @@ payload=${BENCH_PAYLOAD_BYTES:-256}
 keys=${BENCH_KEYS:-1000}
 connections=${BENCH_CONNECTIONS:-1}
 wait_quiet=${BENCH_WAIT_QUIET:-0}
+auth_concurrencies=${BENCH_AUTH_CONCURRENCY:-64}
+auth_variants=${BENCH_AUTH_VARIANTS:-off tls jwt static}
+only=${BENCH_ONLY:-new-keys replay auth}
+if [ "${BENCH_AUTH:-1}" = 0 ]; then only=${only//auth/}; fi
+for part in $only; do
+  case $part in new-keys | replay | auth) ;; *) say "BENCH_ONLY: unknown part $part (new-keys, replay, auth)"; exit 1 ;; esac
+done
+for variant in $auth_variants; do
+  case $variant in off | tls | jwt | static) ;; *) say "BENCH_AUTH_VARIANTS: unknown $variant (off, tls, jwt, static)"; exit 1 ;; esac
+done
+part() { [[ " $only " == *" $1 "* ]]; }
 server_bin=target/release/idempotencyd
 bench_bin=target/release/idempotency-bench
 report() { python3 bench/report.py "$@"; }
@@ -117,7 +139,8 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 use_server() { server_pid=$1 endpoint=$2; }
 
 start_server() { # extra serve flags...; sets started_pid and started_endpoint
-  local grpc_port metrics_port log="$work/server-$((++servers)).log"
+  local grpc_port metrics_port log="$work/server-$((++servers)).log" scheme=http
+  [[ " $* " == *" --tls-cert "* ]] && scheme=https
   grpc_port=$(free_port)
   metrics_port=$(free_port)
   while [ "$metrics_port" = "$grpc_port" ]; do metrics_port=$(free_port); done
@@ -130,23 +153,27 @@ start_server() { # extra serve flags...; sets started_pid and started_endpoint
     (exec 3<>"/dev/tcp/127.0.0.1/$grpc_port") 2>/dev/null && break
     sleep 0.1
   done
-  started_endpoint="http://127.0.0.1:$grpc_port"
+  started_endpoint="$scheme://127.0.0.1:$grpc_port"
 }
 servers=0
 server_threads=${BENCH_SERVER_THREADS:-1}
 server_args="${BENCH_SERVER_ARGS:-}"
 if [ "$server_threads" != 0 ]; then server_args="--worker-threads $server_threads $server_args"; fi
-# shellcheck disable=SC2086 # server_args is a list of flags
-start_server $server_args
-cached_pid=$started_pid cached_endpoint=$started_endpoint
-use_server "$cached_pid" "$cached_endpoint"
-say "idempotencyd (pid $server_pid, release) on $endpoint; settings at their defaults${server_args:+ except $server_args}"
-# A second server on the same database, without the replay cache, so that
-# replays are also measured reading Postgres every time.
-# shellcheck disable=SC2086
-start_server $server_args --replay-cache-bytes 0
-uncached_pid=$started_pid uncached_endpoint=$started_endpoint
-say "idempotencyd (pid $uncached_pid) on $uncached_endpoint with --replay-cache-bytes 0"
+if part new-keys || part replay; then
+  # shellcheck disable=SC2086 # server_args is a list of flags
+  start_server $server_args
+  cached_pid=$started_pid cached_endpoint=$started_endpoint
+  use_server "$cached_pid" "$cached_endpoint"
+  say "idempotencyd (pid $server_pid, release) on $endpoint; settings at their defaults${server_args:+ except $server_args}"
+fi
+if part replay; then
+  # A second server on the same database, without the replay cache, so that
+  # replays are also measured reading Postgres every time.
+  # shellcheck disable=SC2086
+  start_server $server_args --replay-cache-bytes 0
+  uncached_pid=$started_pid uncached_endpoint=$started_endpoint
+  say "idempotencyd (pid $uncached_pid) on $uncached_endpoint with --replay-cache-bytes 0"
+fi
 
 ticks() { report ticks "$postmaster_pid" "$server_pid" "$$"; }
 vmhwm_kb() { awk '/^VmHWM:/ { print $2 }' "/proc/$server_pid/status"; }
@@ -203,28 +230,92 @@ run_service() { # scenario label concurrency rep extra-args...
   report progress "$raw"
 }
 
-say "$repeats x ${seconds}s per measurement; concurrency: $concurrencies"
-for c in $concurrencies; do
-  for rep in $(seq "$repeats"); do
-    run_pgbench new-keys bench/pgbench/new_key_pair.sql "$c" "$rep" -D "payload=$payload"
-    run_service new-keys new-keys "$c" "$rep"
+say "$repeats x ${seconds}s per measurement; parts: $only; concurrency: $concurrencies, auth $auth_concurrencies"
+if part new-keys; then
+  for c in $concurrencies; do
+    for rep in $(seq "$repeats"); do
+      run_pgbench new-keys bench/pgbench/new_key_pair.sql "$c" "$rep" -D "payload=$payload"
+      run_service new-keys new-keys "$c" "$rep"
+    done
   done
-done
-# Vacuum now, so that autovacuum does not pick the replay runs to clean up
-# after the new keys; then the service's replay keys, completed once through the service (as pgbench's
-# were inserted once above), so the timed runs only read.
-"$bench_bin" --endpoint "$endpoint" --scenario replay --concurrency 1 --connections 1 --count 1 \
-  --warmup 0s --payload-bytes "$payload" --keys "$keys" --key-prefix bench-replay --json >/dev/null
-sql "VACUUM (ANALYZE) idempotency_records"
-for c in $concurrencies; do
-  for rep in $(seq "$repeats"); do
-    run_pgbench replay bench/pgbench/replay.sql "$c" "$rep" -D "keys=$keys"
-    use_server "$cached_pid" "$cached_endpoint"
-    run_service replay replay "$c" "$rep" --key-prefix bench-replay --skip-prepare
-    use_server "$uncached_pid" "$uncached_endpoint"
-    run_service replay replay-db "$c" "$rep" --key-prefix bench-replay --skip-prepare
+fi
+if part replay; then
+  # Vacuum now, so that autovacuum does not pick the replay runs to clean up
+  # after the new keys; then the service's replay keys, completed once through the service (as pgbench's
+  # were inserted once above), so the timed runs only read.
+  use_server "$cached_pid" "$cached_endpoint"
+  "$bench_bin" --endpoint "$endpoint" --scenario replay --concurrency 1 --connections 1 --count 1 \
+    --warmup 0s --payload-bytes "$payload" --keys "$keys" --key-prefix bench-replay --json >/dev/null
+  sql "VACUUM (ANALYZE) idempotency_records"
+  for c in $concurrencies; do
+    for rep in $(seq "$repeats"); do
+      run_pgbench replay bench/pgbench/replay.sql "$c" "$rep" -D "keys=$keys"
+      use_server "$cached_pid" "$cached_endpoint"
+      run_service replay replay "$c" "$rep" --key-prefix bench-replay --skip-prepare
+      use_server "$uncached_pid" "$uncached_endpoint"
+      run_service replay replay-db "$c" "$rep" --key-prefix bench-replay --skip-prepare
+    done
   done
-done
+fi
+
+# The cost of TLS and auth: the same new-key pairs through a server with
+# each of them on. Last, so that the rows these runs add (about 100k per
+# measurement at 64 callers) do not change the table the parts above see.
+auth_files='{}'
+if part auth; then
+  auth_dir=$out_dir/auth
+  issuer=https://kubernetes.default.svc.cluster.local audience=idempotency
+  auth_files=$("$bench_bin" --make-auth-files "$auth_dir" --namespace bench \
+    --jwt-issuer "$issuer" --jwt-audience "$audience")
+  declare -A auth_pid auth_endpoint auth_client
+  tls_flags="--tls-cert $auth_dir/tls.crt --tls-key $auth_dir/tls.key"
+  for variant in $auth_variants; do
+    case $variant in
+      off) flags= client= ;;
+      tls) flags=$tls_flags client="--tls-ca $auth_dir/ca.crt" ;;
+      jwt)
+        flags="$tls_flags --jwt-jwks $auth_dir/jwks.json --jwt-issuer $issuer --jwt-audience $audience"
+        flags="$flags --auth-policy $auth_dir/policy.toml"
+        client="--tls-ca $auth_dir/ca.crt --bearer-token-file $auth_dir/jwt.token" ;;
+      static)
+        flags="$tls_flags --static-tokens $auth_dir/tokens.toml --auth-policy $auth_dir/policy.toml"
+        client="--tls-ca $auth_dir/ca.crt --bearer-token-file $auth_dir/static.token" ;;
+    esac
+    # shellcheck disable=SC2086 # lists of flags
+    start_server $server_args $flags
+    auth_pid[$variant]=$started_pid auth_endpoint[$variant]=$started_endpoint auth_client[$variant]=$client
+    say "auth $variant: idempotencyd (pid $started_pid) on $started_endpoint${flags:+ with $flags}"
+  done
+  # A short untimed run through each server: its pool connected, its
+  # caches warm, and a variant that refuses calls stops the run here.
+  for variant in $auth_variants; do
+    # shellcheck disable=SC2086
+    "$bench_bin" --endpoint "${auth_endpoint[$variant]}" --scenario new-keys \
+      --concurrency "${auth_concurrencies%% *}" --duration 2s --warmup 0s \
+      --payload-bytes "$payload" --json ${auth_client[$variant]} ${BENCH_CLIENT_ARGS:-} \
+      >"$work/auth-check.json" 2>"$work/auth-check.err" || { cat "$work/auth-check.err" >&2; exit 1; }
+    if ! python3 -c 'import json, sys; sys.exit(1 if json.load(open(sys.argv[1]))["errors_total"] else 0)' \
+      "$work/auth-check.json"; then
+      say "auth $variant: calls failed:"
+      cat "$work/auth-check.err" "$work/auth-check.json" >&2
+      exit 1
+    fi
+  done
+  sql "VACUUM (ANALYZE) idempotency_records"
+  read -r -a variants <<<"$auth_variants"
+  for c in $auth_concurrencies; do
+    for rep in $(seq "$repeats"); do
+      # Each repetition starts with the next variant, so that none always
+      # runs first (just after the checkpoint) or on the largest table.
+      for i in "${!variants[@]}"; do
+        variant=${variants[$(((i + rep - 1) % ${#variants[@]}))]}
+        use_server "${auth_pid[$variant]}" "${auth_endpoint[$variant]}"
+        # shellcheck disable=SC2086
+        run_service new-keys "auth-$variant" "$c" "$rep" ${auth_client[$variant]}
+      done
+    done
+  done
+fi
 
 rows=$(sql "SELECT count(*) FROM idempotency_records")
 say "done; the table holds $rows rows"
@@ -241,8 +332,12 @@ print(json.dumps({
                  "replay_keys": int(a[9]), "grpc_connections": int(a[10]), "wait_quiet": int(a[11]),
                  "pgbench": "-M prepared -n -j 2 -c C -T " + a[5], "statistic": "median of repeats",
                  "server": "idempotencyd serve, defaults (db pool 16), --reaper-enabled false " + a[13],
-                 "load_generator": "one client per gRPC connection, one runtime thread, client defaults " + a[14]},
+                 "load_generator": "one client per gRPC connection, one runtime thread, client defaults " + a[14],
+                 "parts": a[15].split(), "concurrency": [int(c) for c in a[16].split()],
+                 "auth": {"concurrency": [int(c) for c in a[17].split()], "variants": a[18].split(),
+                          "files": json.loads(a[19])}},
     "final_table_rows": int(a[12]),
 }))' "$stamp" "$commit" "$pg_version" "$fsync" "$sync_commit" "$seconds" "$repeats" "$warmup" \
-  "$payload" "$keys" "$connections" "$wait_quiet" "$rows" "$server_args" "${BENCH_CLIENT_ARGS:-}")
+  "$payload" "$keys" "$connections" "$wait_quiet" "$rows" "$server_args" "${BENCH_CLIENT_ARGS:-}" \
+  "$only" "$concurrencies" "$auth_concurrencies" "$auth_variants" "$auth_files")
 report summary "$raw" "$out_dir/results-$stamp" "$meta"

@@ -8,10 +8,17 @@
 //!
 //! Every call is made once (no retries), so errors are counted, not hidden.
 //! It stops by itself after `--duration` or `--count` operations.
+//!
+//! With `--tls-ca` it connects over TLS (an `https://` endpoint), with
+//! `--bearer-token-file` it sends a bearer token on every RPC, as a caller
+//! in Kubernetes does; `--make-auth-files DIR` writes the certificates,
+//! keys, tokens and policy for a server to match ([`auth_files`]).
 
+mod auth_files;
 mod stats;
 
 use std::{
+    path::PathBuf,
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
@@ -23,6 +30,7 @@ use anyhow::{Context, bail};
 use clap::{Parser, ValueEnum};
 use idempotency_client::{
     AcquireRequest, Acquisition, Batching, Client, Error, RecordId, RetryPolicy, StoredResponse,
+    TlsFiles, TokenSource,
 };
 use serde_json::json;
 use stats::{
@@ -150,6 +158,28 @@ struct Cli {
     /// machine) used during the timed part, from /proc/<pid>/stat.
     #[arg(long)]
     server_pid: Option<u32>,
+    /// Connect over TLS (an https:// --endpoint), trusting the CA
+    /// certificates (PEM) in this file to sign the service's.
+    #[arg(long)]
+    tls_ca: Option<PathBuf>,
+    /// Send `authorization: Bearer <token>` with every RPC, the token read
+    /// from this file (again every few seconds, as a Kubernetes
+    /// service-account token is).
+    #[arg(long)]
+    bearer_token_file: Option<PathBuf>,
+    /// Write the files a server with TLS and auth on needs, and a client to
+    /// call it, into this directory, then exit: `ca.crt`, `tls.crt`,
+    /// `tls.key`, `jwks.json`, `jwt.token` (an RS256 JWT for
+    /// --jwt-issuer and --jwt-audience), `static.token`, `tokens.toml` and
+    /// `policy.toml` (both tokens' callers may use --namespace).
+    #[arg(long, value_name = "DIR")]
+    make_auth_files: Option<PathBuf>,
+    /// --make-auth-files: the JWT's `iss`.
+    #[arg(long, default_value = "https://kubernetes.default.svc.cluster.local")]
+    jwt_issuer: String,
+    /// --make-auth-files: the JWT's `aud`.
+    #[arg(long, default_value = "idempotency")]
+    jwt_audience: String,
     /// Print one JSON object instead of the text report.
     #[arg(long)]
     json: bool,
@@ -339,6 +369,14 @@ async fn prepare_replay_keys(
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if let Some(dir) = &cli.make_auth_files {
+        return auth_files::write(&auth_files::Settings {
+            dir,
+            namespace: &cli.namespace,
+            issuer: &cli.jwt_issuer,
+            audience: &cli.jwt_audience,
+        });
+    }
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cli.threads as usize)
         .enable_all()
@@ -359,14 +397,21 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     for _ in 0..cli.connections {
         // One builder per connection: each gets its own channel, so its own
         // HTTP/2 connection (one channel multiplexes every call on one).
-        let client = Client::builder()
+        let mut builder = Client::builder()
             .endpoint(cli.endpoint.clone())
             .timeout(cli.timeout)
             .retry(RetryPolicy::none())
             .batching((!cli.no_batching).then(|| Batching {
                 max_in_flight: cli.batch_in_flight as usize,
                 ..Batching::default()
-            }))
+            }));
+        if let Some(ca) = &cli.tls_ca {
+            builder = builder.tls_files(TlsFiles::new(ca));
+        }
+        if let Some(path) = &cli.bearer_token_file {
+            builder = builder.bearer_token(TokenSource::file(path));
+        }
+        let client = builder
             .connect()
             .await
             .with_context(|| format!("connecting to {}", cli.endpoint))?;
@@ -474,6 +519,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             "concurrency": cli.concurrency,
             "connections": cli.connections,
             "threads": cli.threads,
+            "tls": cli.tls_ca.is_some(),
+            "bearer_token": cli.bearer_token_file.is_some(),
             "batching": if cli.no_batching { serde_json::Value::Null } else { serde_json::json!({"max_in_flight": cli.batch_in_flight}) },
             "payload_bytes": cli.payload_bytes,
             "keys": keys,
