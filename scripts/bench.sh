@@ -13,7 +13,7 @@
 #             "replay-db": every replay reads Postgres).
 # Then, for each concurrency in BENCH_AUTH_CONCURRENCY (default "64"), the
 # cost of TLS and auth: new keys through four servers, interleaved (the
-# order rotated each repetition): "off" (plaintext, no auth, as above),
+# order reversed every other repetition): "off" (plaintext, no auth, as above),
 # "tls" (TLS, no auth), "jwt" (TLS, and an RS256 JWT shaped like a
 # Kubernetes service-account token on every RPC, checked against a JWKS)
 # and "static" (TLS and a static token); BENCH_AUTH_VARIANTS picks among
@@ -180,9 +180,12 @@ vmhwm_kb() { awk '/^VmHWM:/ { print $2 }' "/proc/$server_pid/status"; }
 wal_lsn() { sql "SELECT pg_current_wal_insert_lsn()"; }
 wal_since() { sql "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '$1')::bigint"; }
 
-# Before each measurement: a checkpoint (none falls due mid-run), then, with
+# Before each measurement: with vacuum_first=1 a VACUUM (the auth part, see
+# there), a checkpoint (none falls due mid-run), then, with
 # BENCH_WAIT_QUIET, a wait for other work on the machine to calm down.
+vacuum_first=0
 settle() {
+  if [ "$vacuum_first" = 1 ]; then sql "VACUUM idempotency_records" >/dev/null; fi
   sql "CHECKPOINT" >/dev/null
   [ "$wait_quiet" -gt 0 ] || return 0
   local waited=0 before other
@@ -286,12 +289,14 @@ if part auth; then
     auth_pid[$variant]=$started_pid auth_endpoint[$variant]=$started_endpoint auth_client[$variant]=$client
     say "auth $variant: idempotencyd (pid $started_pid) on $started_endpoint${flags:+ with $flags}"
   done
-  # A short untimed run through each server: its pool connected, its
-  # caches warm, and a variant that refuses calls stops the run here.
+  # An untimed run through each server: its pool connected, its caches
+  # warm, the cluster past its first minute when this part runs alone (a
+  # fresh cluster is slower at first), and a variant that refuses calls
+  # stops the run here.
   for variant in $auth_variants; do
     # shellcheck disable=SC2086
     "$bench_bin" --endpoint "${auth_endpoint[$variant]}" --scenario new-keys \
-      --concurrency "${auth_concurrencies%% *}" --duration 2s --warmup 0s \
+      --concurrency "${auth_concurrencies%% *}" --duration 5s --warmup 0s \
       --payload-bytes "$payload" --json ${auth_client[$variant]} ${BENCH_CLIENT_ARGS:-} \
       >"$work/auth-check.json" 2>"$work/auth-check.err" || { cat "$work/auth-check.err" >&2; exit 1; }
     if ! python3 -c 'import json, sys; sys.exit(1 if json.load(open(sys.argv[1]))["errors_total"] else 0)' \
@@ -301,20 +306,30 @@ if part auth; then
       exit 1
     fi
   done
+  # No autovacuum in this part, a VACUUM before each measurement instead:
+  # an autovacuum that starts mid-measurement (after about 20 % new rows,
+  # every measurement or two here) dirties some 100 MB within a second, and
+  # on this machine's disk the commits queued behind its writeback stalled
+  # for seconds: that measurement fell to a tenth, whatever its variant.
+  sql "ALTER TABLE idempotency_records SET (autovacuum_enabled = false)"
   sql "VACUUM (ANALYZE) idempotency_records"
+  vacuum_first=1
   read -r -a variants <<<"$auth_variants"
   for c in $auth_concurrencies; do
     for rep in $(seq "$repeats"); do
-      # Each repetition starts with the next variant, so that none always
-      # runs first (just after the checkpoint) or on the largest table.
+      # Forwards, then backwards (off tls jwt static, static jwt tls off,
+      # ...): over two repetitions every variant's mean place is the same,
+      # so a drift of the machine or of the growing table cancels out.
       for i in "${!variants[@]}"; do
-        variant=${variants[$(((i + rep - 1) % ${#variants[@]}))]}
+        if ((rep % 2)); then variant=${variants[$i]}; else variant=${variants[$((${#variants[@]} - 1 - i))]}; fi
         use_server "${auth_pid[$variant]}" "${auth_endpoint[$variant]}"
         # shellcheck disable=SC2086
         run_service new-keys "auth-$variant" "$c" "$rep" ${auth_client[$variant]}
       done
     done
   done
+  vacuum_first=0
+  sql "ALTER TABLE idempotency_records RESET (autovacuum_enabled)"
 fi
 
 rows=$(sql "SELECT count(*) FROM idempotency_records")
