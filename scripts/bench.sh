@@ -39,7 +39,7 @@
 # other work on the machine (builds, tests) uses under 15 % of the CPUs
 # (default 0: measure at once; the "other load" column shows what it was).
 #
-# Always a throwaway cluster (DATABASE_URL is ignored: the run writes about a
+# Always a throwaway cluster (DATABASE_URL is ignored: the run writes about 2.5
 # million rows). Everything listens on 127.0.0.1 only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -71,8 +71,8 @@ auth_concurrencies=${BENCH_AUTH_CONCURRENCY:-64}
 auth_variants=${BENCH_AUTH_VARIANTS:-off tls jwt static}
 only=${BENCH_ONLY:-new-keys replay auth}
 if [ "${BENCH_AUTH:-1}" = 0 ]; then only=${only//auth/}; fi
-for part in $only; do
-  case $part in new-keys | replay | auth) ;; *) say "BENCH_ONLY: unknown part $part (new-keys, replay, auth)"; exit 1 ;; esac
+for name in $only; do
+  case $name in new-keys | replay | auth) ;; *) say "BENCH_ONLY: unknown part $name (new-keys, replay, auth)"; exit 1 ;; esac
 done
 for variant in $auth_variants; do
   case $variant in off | tls | jwt | static) ;; *) say "BENCH_AUTH_VARIANTS: unknown $variant (off, tls, jwt, static)"; exit 1 ;; esac
