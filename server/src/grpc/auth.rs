@@ -20,7 +20,7 @@ use std::{
 use futures_util::future::{Either, Ready, ready};
 use tonic::{Code, Status, transport::server::TcpConnectInfo};
 
-use super::status::{DOMAIN, reason};
+use super::status::{reason, with_reason};
 use crate::{
     metrics,
     security::{
@@ -40,12 +40,6 @@ pub struct Caller {
 
 const HEALTH_PREFIX: &str = "/grpc.health.v1.Health/";
 const REFLECTION_PREFIX: &str = "/grpc.reflection.";
-
-fn with_reason(code: Code, message: String, reason: &str) -> Status {
-    use tonic_types::{ErrorDetails, StatusExt};
-    let details = ErrorDetails::with_error_info(reason, DOMAIN, std::collections::HashMap::new());
-    Status::with_error_details(code, message, details)
-}
 
 /// Authenticates every call except health checks (probes carry no credential).
 #[derive(Debug, Clone)]

@@ -34,7 +34,8 @@ pub mod reason {
     pub const NOT_GRANTED: &str = "NOT_GRANTED";
 }
 
-fn with_reason(code: Code, message: String, reason: &str) -> Status {
+/// A status with its `ErrorInfo` reason (domain `idempotency`).
+pub(crate) fn with_reason(code: Code, message: String, reason: &str) -> Status {
     let details = ErrorDetails::with_error_info(reason, DOMAIN, HashMap::new());
     Status::with_error_details(code, message, details)
 }

@@ -17,7 +17,7 @@ use toml::Spanned;
 
 use super::{
     tls::PeerIdentity,
-    watch::{FileError, Watched, line_of},
+    watch::{FileError, Watched, line_of, parse_text, toml_error},
 };
 
 /// Why a call carries no usable credential. Each is `UNAUTHENTICATED`.
@@ -277,13 +277,7 @@ struct TokenEntry {
 impl StaticTokens {
     /// Parses the TOML file; errors name the line.
     pub fn parse_text(text: &str) -> Result<Self, String> {
-        let file: TokensFile = toml::from_str(text).map_err(|error| {
-            let message = error.message().trim().to_owned();
-            match error.span() {
-                Some(span) => format!("line {}: {message}", line_of(text, span.start)),
-                None => message,
-            }
-        })?;
+        let file: TokensFile = toml::from_str(text).map_err(|error| toml_error(text, &error))?;
         let mut by_hash = HashMap::new();
         for entry in file.token {
             let line = line_of(text, entry.span().start);
@@ -323,9 +317,7 @@ pub fn parse_static_tokens(
     contents: &[Vec<u8>],
     paths: &[PathBuf],
 ) -> Result<StaticTokens, FileError> {
-    let text = std::str::from_utf8(&contents[0])
-        .map_err(|_| FileError::new(&paths[0], "not UTF-8 text"))?;
-    StaticTokens::parse_text(text).map_err(|why| FileError::new(&paths[0], why))
+    parse_text(contents, paths, StaticTokens::parse_text)
 }
 
 /// Every way a caller may prove who it is, as configured.

@@ -105,9 +105,7 @@ pub struct Auth {
 }
 
 fn parse_policy(contents: &[Vec<u8>], paths: &[PathBuf]) -> Result<Policy, FileError> {
-    let text = std::str::from_utf8(&contents[0])
-        .map_err(|_| FileError::new(&paths[0], "not UTF-8 text"))?;
-    Policy::parse(text).map_err(|why| FileError::new(&paths[0], why))
+    watch::parse_text(contents, paths, Policy::parse)
 }
 
 /// The loaded security files.

@@ -15,7 +15,7 @@ use serde::Deserialize;
 use toml::Spanned;
 use wildmatch::WildMatch;
 
-use super::watch::line_of;
+use super::watch::{line_of, toml_error};
 
 /// What a grant lets its principals do on its namespaces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -117,14 +117,7 @@ fn patterns(
 impl Policy {
     /// Parses a policy file; errors name the line.
     pub fn parse(text: &str) -> Result<Self, String> {
-        let file: PolicyFile = toml::from_str(text).map_err(|error| {
-            let line = error.span().map(|span| line_of(text, span.start));
-            let message = error.message().trim().to_owned();
-            match line {
-                Some(line) => format!("line {line}: {message}"),
-                None => message,
-            }
-        })?;
+        let file: PolicyFile = toml::from_str(text).map_err(|error| toml_error(text, &error))?;
         let grants = file
             .grant
             .into_iter()

@@ -127,6 +127,26 @@ impl<T> Watched<T> {
     }
 }
 
+/// A TOML file's error as people read it: `line N: what is wrong`.
+pub fn toml_error(text: &str, error: &toml::de::Error) -> String {
+    let message = error.message().trim().to_owned();
+    match error.span() {
+        Some(span) => format!("line {}: {message}", line_of(text, span.start)),
+        None => message,
+    }
+}
+
+/// Parses the one text file of `paths` with `parse`, naming the file in errors.
+pub fn parse_text<T>(
+    contents: &[Vec<u8>],
+    paths: &[PathBuf],
+    parse: impl FnOnce(&str) -> Result<T, String>,
+) -> Result<T, FileError> {
+    let text = std::str::from_utf8(&contents[0])
+        .map_err(|_| FileError::new(&paths[0], "not UTF-8 text"))?;
+    parse(text).map_err(|why| FileError::new(&paths[0], why))
+}
+
 /// 1-based line of a byte offset, for errors in files people edit.
 pub fn line_of(text: &str, offset: usize) -> usize {
     text.get(..offset).unwrap_or(text).matches('\n').count() + 1
