@@ -1,19 +1,49 @@
 use std::{net::SocketAddr, sync::Arc};
 
 use tokio::{
+    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt},
     net::{TcpListener, TcpStream},
-    sync::Mutex,
+    sync::{Mutex, watch},
     task::JoinHandle,
 };
 
 /// A TCP proxy in front of Postgres. `cut` closes every connection and
 /// refuses new ones, as a database outage would; `restore` listens again on
-/// the same port.
+/// the same port. `freeze` stops forwarding without closing anything (new
+/// connections are accepted and then hang), as when the database's host
+/// stops answering or its processes are stopped; `thaw` resumes.
 pub struct TcpProxy {
     pub addr: SocketAddr,
     upstream: SocketAddr,
     acceptor: Mutex<Option<JoinHandle<()>>>,
     connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    frozen: watch::Sender<bool>,
+}
+
+/// Waits while the proxy is frozen.
+async fn while_frozen(frozen: &mut watch::Receiver<bool>) {
+    let _ = frozen.wait_for(|frozen| !frozen).await;
+}
+
+/// Copies `from` to `to`, holding every chunk back while the proxy is frozen.
+async fn forward(
+    mut from: impl AsyncRead + Unpin,
+    mut to: impl AsyncWrite + Unpin,
+    mut frozen: watch::Receiver<bool>,
+) {
+    let mut buffer = vec![0u8; 16 * 1024];
+    loop {
+        while_frozen(&mut frozen).await;
+        let read = match from.read(&mut buffer).await {
+            Ok(0) | Err(_) => break,
+            Ok(read) => read,
+        };
+        while_frozen(&mut frozen).await;
+        if to.write_all(&buffer[..read]).await.is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown().await;
 }
 
 impl TcpProxy {
@@ -25,6 +55,7 @@ impl TcpProxy {
             upstream,
             acceptor: Mutex::new(None),
             connections: Arc::default(),
+            frozen: watch::Sender::new(false),
         };
         proxy.listen(listener).await;
         proxy
@@ -33,11 +64,19 @@ impl TcpProxy {
     async fn listen(&self, listener: TcpListener) {
         let upstream = self.upstream;
         let connections = self.connections.clone();
+        let frozen = self.frozen.clone();
         let acceptor = tokio::spawn(async move {
-            while let Ok((mut client, _)) = listener.accept().await {
+            while let Ok((client, _)) = listener.accept().await {
+                let mut frozen = frozen.subscribe();
                 let connection = tokio::spawn(async move {
-                    if let Ok(mut server) = TcpStream::connect(upstream).await {
-                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    while_frozen(&mut frozen).await;
+                    if let Ok(server) = TcpStream::connect(upstream).await {
+                        let (client_read, client_write) = client.into_split();
+                        let (server_read, server_write) = server.into_split();
+                        tokio::join!(
+                            forward(client_read, server_write, frozen.clone()),
+                            forward(server_read, client_write, frozen),
+                        );
                     }
                 });
                 connections.lock().await.push(connection);
@@ -55,6 +94,17 @@ impl TcpProxy {
         for connection in self.connections.lock().await.drain(..) {
             connection.abort();
         }
+    }
+
+    /// Stops forwarding bytes, in both directions and on every connection,
+    /// without closing any: statements neither arrive nor answer.
+    pub fn freeze(&self) {
+        self.frozen.send_replace(true);
+    }
+
+    /// Forwards again what was held back and what comes next.
+    pub fn thaw(&self) {
+        self.frozen.send_replace(false);
     }
 
     /// Listens again on the same address.
