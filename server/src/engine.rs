@@ -190,7 +190,7 @@ impl Engine {
         fencing_token: FencingToken,
         response: StoredResponse,
     ) -> Result<Timestamp, Error> {
-        response.validate("response", self.limits.max_response_bytes)?;
+        response.validate("response", &self.limits)?;
         self.finish(id, fencing_token, RecordState::Completed, response)
             .await
     }
@@ -203,7 +203,7 @@ impl Engine {
     ) -> Result<RecordState, Error> {
         match failure {
             Failure::Terminal(error_response) => {
-                error_response.validate("error_response", self.limits.max_response_bytes)?;
+                error_response.validate("error_response", &self.limits)?;
                 self.finish(id, fencing_token, RecordState::Failed, error_response)
                     .await?;
                 Ok(RecordState::Failed)

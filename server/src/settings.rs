@@ -101,6 +101,10 @@ pub struct ServeArgs {
     /// Most items in one BatchAcquire or BatchComplete call.
     #[arg(long, env = "IDEMPOTENCY_MAX_BATCH_ITEMS", default_value_t = 100)]
     pub max_batch_items: usize,
+    /// Most headers in one stored response. Counted before the request is
+    /// decoded, so a map of a million headers costs nothing to refuse.
+    #[arg(long, env = "IDEMPOTENCY_MAX_RESPONSE_HEADERS", default_value_t = 128)]
+    pub max_response_headers: usize,
 
     /// How often the database is probed for the health service.
     #[arg(long, env = "IDEMPOTENCY_HEALTH_CHECK_INTERVAL", default_value = "5s", value_parser = positive_duration)]
@@ -364,6 +368,7 @@ impl ServeArgs {
             max_lease: self.max_lease,
             max_response_bytes: self.max_response_bytes,
             max_batch_items: self.max_batch_items,
+            max_response_headers: self.max_response_headers,
         }
     }
 }

@@ -13,7 +13,16 @@ pub struct Limits {
     pub max_response_bytes: usize,
     /// Most items in one BatchAcquire or BatchComplete.
     pub max_batch_items: usize,
+    /// Most headers in one stored response.
+    pub max_response_headers: usize,
 }
+
+/// See [`Limits::max_small_message_bytes`].
+const SMALL_MESSAGE_BYTES: usize = 8 * 1024;
+
+/// A header's framing in a protobuf map entry, beyond its name and value:
+/// the entry's tag and length, and each string's tag and length.
+const HEADER_FRAMING_BYTES: usize = 16;
 
 /// Below a second a lease or lifetime is more likely a unit mistake than an intent.
 const MIN_DURATION: Duration = Duration::from_secs(1);
@@ -31,6 +40,7 @@ impl Default for Limits {
             max_lease: Duration::from_secs(60 * 60),
             max_response_bytes: 1024 * 1024,
             max_batch_items: 100,
+            max_response_headers: 128,
         }
     }
 }
@@ -51,6 +61,32 @@ impl Limits {
             return Err(InvalidField::new("max_batch_items", "must be at least 1"));
         }
         Ok(())
+    }
+
+    /// The largest message of a call that names one record and carries no
+    /// stored response (Acquire, Renew, Get): a valid one is under 1.2 KiB
+    /// (the id's parts at their maxima, a 64-byte fingerprint, two
+    /// durations); the rest leaves room for fields a newer client adds.
+    pub const fn max_small_message_bytes(&self) -> usize {
+        SMALL_MESSAGE_BYTES
+    }
+
+    /// The largest Complete or Fail message: a small message plus the
+    /// largest stored response, with a map entry's framing for each header.
+    pub fn max_finish_message_bytes(&self) -> usize {
+        SMALL_MESSAGE_BYTES
+            .saturating_add(self.max_response_bytes)
+            .saturating_add(
+                self.max_response_headers
+                    .saturating_mul(HEADER_FRAMING_BYTES),
+            )
+    }
+
+    /// The largest BatchAcquire message: the most items, each a small message.
+    pub fn max_batch_acquire_message_bytes(&self) -> usize {
+        self.max_batch_items
+            .saturating_mul(SMALL_MESSAGE_BYTES)
+            .min(self.max_message_bytes())
     }
 
     /// The largest gRPC message, read or written: the larger of 4 MiB and

@@ -1,6 +1,6 @@
 use std::collections::BTreeMap;
 
-use super::InvalidField;
+use super::{InvalidField, Limits};
 
 /// A response kept for replay: status, body and headers, byte for byte.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -22,13 +22,24 @@ impl StoredResponse {
                 .sum::<usize>()
     }
 
-    /// Checks what the store cannot hold and what the limit forbids.
-    pub fn validate(&self, field: &str, max_bytes: usize) -> Result<(), InvalidField> {
+    /// Checks what the store cannot hold and what the limits forbid.
+    pub fn validate(&self, field: &str, limits: &Limits) -> Result<(), InvalidField> {
+        let max_bytes = limits.max_response_bytes;
         // Stored in a Postgres integer column.
         if i32::try_from(self.status_code).is_err() {
             return Err(InvalidField::new(
                 format!("{field}.status_code"),
                 format!("must be at most {}", i32::MAX),
+            ));
+        }
+        if self.headers.len() > limits.max_response_headers {
+            return Err(InvalidField::new(
+                format!("{field}.headers"),
+                format!(
+                    "has {} headers; the limit is {}",
+                    self.headers.len(),
+                    limits.max_response_headers
+                ),
             ));
         }
         // Postgres jsonb cannot hold NUL; refusing it here keeps it a client error.
@@ -57,6 +68,14 @@ impl StoredResponse {
 mod tests {
     use super::*;
 
+    fn limits(max_response_bytes: usize, max_response_headers: usize) -> Limits {
+        Limits {
+            max_response_bytes,
+            max_response_headers,
+            ..Limits::default()
+        }
+    }
+
     #[test]
     fn size_counts_body_and_headers() {
         let response = StoredResponse {
@@ -65,8 +84,8 @@ mod tests {
             headers: BTreeMap::from([("ab".into(), "cde".into())]),
         };
         assert_eq!(response.size(), 15);
-        assert!(response.validate("response", 15).is_ok());
-        let error = response.validate("response", 14).unwrap_err();
+        assert!(response.validate("response", &limits(15, 1)).is_ok());
+        let error = response.validate("response", &limits(14, 1)).unwrap_err();
         assert_eq!(error.field, "response");
         assert!(
             error.description.contains("14 bytes"),
@@ -82,8 +101,27 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            response.validate("response", 100).unwrap_err().field,
+            response
+                .validate("response", &limits(100, 1))
+                .unwrap_err()
+                .field,
             "response.headers"
+        );
+    }
+
+    #[test]
+    fn more_headers_than_the_limit_are_refused() {
+        let response = StoredResponse {
+            headers: (0..3).map(|i| (format!("h{i}"), String::new())).collect(),
+            ..Default::default()
+        };
+        assert!(response.validate("response", &limits(100, 3)).is_ok());
+        let error = response.validate("response", &limits(100, 2)).unwrap_err();
+        assert_eq!(error.field, "response.headers");
+        assert!(
+            error.description.contains("limit is 2"),
+            "{}",
+            error.description
         );
     }
 }

@@ -16,16 +16,46 @@ pub fn record_id(id: Option<pb::RecordId>) -> Result<RecordId, InvalidField> {
     RecordId::parse("id", id.namespace, id.operation, id.subject, id.key)
 }
 
+/// The range of `google.protobuf.Duration.seconds` (about ±10,000 years).
+const DURATION_MAX_SECONDS: i64 = 315_576_000_000;
+const DURATION_MAX_NANOS: i32 = 999_999_999;
+
+/// A `google.protobuf.Duration` as its spec defines it, checked before any
+/// arithmetic: seconds within ±315,576,000,000, nanos within ±999,999,999
+/// and of the same sign as seconds. Then it must be positive; the limits
+/// decide the rest.
 fn duration(
     field: &str,
     value: Option<prost_types::Duration>,
 ) -> Result<Option<Duration>, InvalidField> {
-    value
-        .map(|value| {
-            Duration::try_from(value)
-                .map_err(|_| InvalidField::new(field, "must be a positive duration"))
-        })
-        .transpose()
+    let Some(prost_types::Duration { seconds, nanos }) = value else {
+        return Ok(None);
+    };
+    let signs_agree = seconds == 0 || nanos == 0 || (seconds > 0) == (nanos > 0);
+    if !(-DURATION_MAX_SECONDS..=DURATION_MAX_SECONDS).contains(&seconds)
+        || !(-DURATION_MAX_NANOS..=DURATION_MAX_NANOS).contains(&nanos)
+        || !signs_agree
+    {
+        return Err(InvalidField::new(
+            field,
+            format!(
+                "is not a valid google.protobuf.Duration (seconds {seconds}, nanos {nanos}): \
+                 seconds must lie within ±{DURATION_MAX_SECONDS}, nanos within \
+                 ±{DURATION_MAX_NANOS} and have the sign of seconds"
+            ),
+        ));
+    }
+    if seconds < 0 || nanos < 0 {
+        return Err(InvalidField::new(
+            field,
+            format!("must be positive, got {seconds} s {nanos} ns"),
+        ));
+    }
+    // Both are non-negative and in range now: no conversion can fail.
+    Ok(Some(
+        Duration::from_secs(seconds.unsigned_abs())
+            + Duration::from_nanos(nanos.unsigned_abs().into()),
+    ))
 }
 
 pub fn acquire_request(request: pb::AcquireRequest) -> Result<AcquireRequest, InvalidField> {
@@ -181,5 +211,150 @@ pub fn record(record: Record) -> pb::Record {
         lease_expires_at: record.lease_expires_at.map(timestamp),
         completed_at: record.completed_at.map(timestamp),
         response: record.response.map(pb_response),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+    use prost::Message;
+
+    use super::*;
+    use crate::{domain::Limits, grpc::wire};
+
+    fn pb_duration(seconds: i64, nanos: i32) -> Option<prost_types::Duration> {
+        Some(prost_types::Duration { seconds, nanos })
+    }
+
+    #[test]
+    fn durations_outside_the_protobuf_spec_are_refused_naming_the_field() {
+        for (seconds, nanos) in [
+            (i64::MIN, 0),
+            (i64::MAX, 0),
+            (DURATION_MAX_SECONDS + 1, 0),
+            (5, -1),
+            (-5, 1),
+            (0, 1_000_000_000),
+            (0, i32::MIN),
+        ] {
+            let error = duration("ttl", pb_duration(seconds, nanos)).unwrap_err();
+            assert_eq!(error.field, "ttl");
+            assert!(
+                error.description.contains("google.protobuf.Duration"),
+                "{seconds} {nanos}: {}",
+                error.description
+            );
+        }
+        let negative = duration("lease", pb_duration(-5, -1)).unwrap_err();
+        assert!(negative.description.contains("positive"), "{negative:?}");
+    }
+
+    #[test]
+    fn valid_durations_convert_exactly() {
+        assert_eq!(duration("ttl", None).unwrap(), None);
+        assert_eq!(
+            duration("ttl", pb_duration(5, 250_000_000)).unwrap(),
+            Some(Duration::from_millis(5250))
+        );
+        assert_eq!(
+            duration("ttl", pb_duration(DURATION_MAX_SECONDS, DURATION_MAX_NANOS)).unwrap(),
+            Some(Duration::new(
+                DURATION_MAX_SECONDS as u64,
+                DURATION_MAX_NANOS as u32
+            ))
+        );
+        assert_eq!(
+            duration("ttl", pb_duration(0, 0)).unwrap(),
+            Some(Duration::ZERO)
+        );
+    }
+
+    /// Everything a request goes through before the engine touches the
+    /// database: decoding, conversion, and the limits' checks.
+    fn validate_everything(bytes: &[u8]) {
+        let limits = Limits::default();
+        let _ = wire::count(bytes, &[1]);
+        let _ = wire::count(bytes, &[1, 3, 3]);
+        if let Ok(request) = pb::AcquireRequest::decode(bytes)
+            && let Ok(request) = acquire_request(request)
+        {
+            let _ = limits.ttl("ttl", request.ttl);
+            let _ = limits.lease("lease", request.lease);
+        }
+        if let Ok(request) = pb::CompleteRequest::decode(bytes) {
+            let _ = record_id(request.id);
+            let _ = fencing_token(request.fencing_token);
+            if let Ok(response) = stored_response("response", request.response) {
+                let _ = response.validate("response", &limits);
+            }
+        }
+        if let Ok(request) = pb::FailRequest::decode(bytes) {
+            if let Failure::Terminal(response) = failure(request.retryable, request.error_response)
+            {
+                let _ = response.validate("error_response", &limits);
+            }
+        }
+        if let Ok(request) = pb::RenewRequest::decode(bytes)
+            && let Ok(Some(lease)) = lease(request.lease)
+        {
+            let _ = limits.lease("lease", Some(lease));
+        }
+        if let Ok(request) = pb::BatchAcquireRequest::decode(bytes) {
+            for item in request.requests {
+                let _ = acquire_request(item);
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2_000, ..ProptestConfig::default() })]
+
+        #[test]
+        fn no_duration_panics_and_only_spec_valid_positive_ones_pass(
+            seconds in any::<i64>(),
+            nanos in any::<i32>(),
+        ) {
+            let result = duration("ttl", pb_duration(seconds, nanos));
+            let valid = (0..=DURATION_MAX_SECONDS).contains(&seconds)
+                && (0..=DURATION_MAX_NANOS).contains(&nanos);
+            prop_assert_eq!(result.is_ok(), valid);
+            let limits = Limits::default();
+            if let Ok(value) = result {
+                let _ = limits.ttl("ttl", value);
+                let _ = limits.lease("lease", value);
+            }
+        }
+
+        #[test]
+        fn no_bytes_panic_a_decoder_or_validator(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            validate_everything(&bytes);
+        }
+
+        #[test]
+        fn no_mutated_valid_request_panics(
+            seconds in any::<i64>(),
+            nanos in any::<i32>(),
+            flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),
+        ) {
+            // Valid requests with hostile durations, then with a few bytes
+            // changed, reach deeper than random bytes do.
+            let request = pb::AcquireRequest {
+                id: Some(pb::RecordId {
+                    namespace: "payments".into(),
+                    operation: "POST /v1/payments".into(),
+                    subject: "user-1".into(),
+                    key: "key-00000001".into(),
+                }),
+                fingerprint: vec![7; 32],
+                ttl: pb_duration(seconds, nanos),
+                lease: pb_duration(nanos.into(), 0),
+            };
+            let mut bytes = request.encode_to_vec();
+            for (index, value) in flips {
+                let at = index.index(bytes.len());
+                bytes[at] = value;
+            }
+            validate_everything(&bytes);
+        }
     }
 }

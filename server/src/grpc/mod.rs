@@ -12,6 +12,7 @@ pub mod convert;
 pub mod metrics;
 pub mod service;
 pub mod status;
+pub mod wire;
 
 /// Messages and the server trait generated from `proto/idempotency/v1/idempotency.proto`.
 pub mod pb {
