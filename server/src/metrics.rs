@@ -39,8 +39,33 @@ pub const CONFIG_FILE_VALID: &str = "idempotency_config_file_valid";
 pub const TLS_CERTIFICATE_EXPIRY_SECONDS: &str =
     "idempotency_tls_certificate_expiry_timestamp_seconds";
 
+pub const IN_FLIGHT_BYTES: &str = "idempotency_in_flight_bytes";
+pub const IN_FLIGHT_BYTES_LIMIT: &str = "idempotency_in_flight_bytes_limit";
+pub const ADMISSION_REFUSED_TOTAL: &str = "idempotency_admission_refused_total";
+pub const REQUEST_TIMEOUTS_TOTAL: &str = "idempotency_request_timeouts_total";
+
 /// Registers the HELP text of every metric.
 pub fn describe() {
+    describe_gauge!(
+        IN_FLIGHT_BYTES,
+        Unit::Bytes,
+        "Memory charged to the calls in flight: their messages, replies and a fixed cost each."
+    );
+    describe_gauge!(
+        IN_FLIGHT_BYTES_LIMIT,
+        Unit::Bytes,
+        "The budget of idempotency_in_flight_bytes (--max-in-flight-bytes); calls past it are shed."
+    );
+    describe_counter!(
+        ADMISSION_REFUSED_TOTAL,
+        "Calls refused before their message was decoded, by reason: overloaded (shed at the \
+         memory budget), message_too_large, too_many_items, too_many_headers."
+    );
+    describe_counter!(
+        REQUEST_TIMEOUTS_TOTAL,
+        "Calls answered at their deadline (the caller's grpc-timeout or --request-timeout) \
+         before the work behind them finished, by RPC."
+    );
     describe_counter!(
         REQUESTS_TOTAL,
         "gRPC calls answered, by RPC, outcome (cancelled: the caller went away) and namespace. \

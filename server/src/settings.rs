@@ -106,6 +106,23 @@ pub struct ServeArgs {
     #[arg(long, env = "IDEMPOTENCY_MAX_RESPONSE_HEADERS", default_value_t = 128)]
     pub max_response_headers: usize,
 
+    /// Longest a call may take, whatever the caller's deadline (a shorter
+    /// `grpc-timeout` from the caller applies instead): reading the
+    /// message, queueing for a batch, waiting for a connection and the
+    /// statements. Past it the call is answered UNAVAILABLE (reason
+    /// REQUEST_TIMEOUT) and an unfinished statement's connection is closed.
+    /// Keep it above --statement-timeout plus --db-acquire-timeout, so that
+    /// a slow statement fails with its own error first.
+    #[arg(long, env = "IDEMPOTENCY_REQUEST_TIMEOUT", default_value = "10s", value_parser = positive_duration)]
+    pub request_timeout: Duration,
+    /// Memory the calls in flight may hold: each call's message twice (the
+    /// buffer and the decoded request), its reply, and 4 KiB. A call that
+    /// would pass it is refused at once with UNAVAILABLE (reason
+    /// OVERLOADED) before its message is read. At least twice the largest
+    /// message (2 × 4 MiB + 4 KiB by default).
+    #[arg(long, env = "IDEMPOTENCY_MAX_IN_FLIGHT_BYTES", default_value_t = 64 * 1024 * 1024)]
+    pub max_in_flight_bytes: usize,
+
     /// How often the database is probed for the health service.
     #[arg(long, env = "IDEMPOTENCY_HEALTH_CHECK_INTERVAL", default_value = "5s", value_parser = positive_duration)]
     pub health_check_interval: Duration,

@@ -14,7 +14,9 @@ use crate::{
     engine::Engine,
     grpc::{
         GrpcService,
+        admission::{AdmissionLayer, MemoryBudget, PER_CALL_BYTES},
         auth::{AuthLayer, Authorizer},
+        deadline::DeadlineLayer,
         pb,
         service::IdempotencyServiceServer,
     },
@@ -41,6 +43,11 @@ pub struct ServerConfig {
     /// TLS, caller identity and the namespace policy.
     pub security: SecurityConfig,
     pub limits: Limits,
+    /// The longest a call of the service may take, whatever the caller's deadline.
+    pub request_timeout: Duration,
+    /// Memory the calls in flight may hold (messages, replies, a fixed cost
+    /// each); calls past it are shed with UNAVAILABLE.
+    pub max_in_flight_bytes: usize,
     pub health_check_interval: Duration,
     pub drain_timeout: Duration,
     /// The in-process reaper; `None` when a CronJob (or nobody) reaps.
@@ -64,6 +71,8 @@ impl ServerConfig {
             reflection: args.reflection,
             security: args.security.config(),
             limits: args.limits(),
+            request_timeout: args.request_timeout,
+            max_in_flight_bytes: args.max_in_flight_bytes,
             health_check_interval: args.health_check_interval,
             drain_timeout: args.drain_timeout,
             reaper: args.reaper_enabled.then(|| args.reaper.settings()),
@@ -150,6 +159,25 @@ fn check_pool_fits_batching(pool: &PgPool, batching: BatchSettings) -> Result<()
     .into())
 }
 
+/// Every call the limits allow must fit in the memory budget, or it would
+/// be shed forever.
+fn check_budget_fits_a_call(config: &ServerConfig) -> Result<(), StartupError> {
+    let largest = PER_CALL_BYTES + 2 * config.limits.max_message_bytes();
+    if config.max_in_flight_bytes >= largest {
+        return Ok(());
+    }
+    Err(crate::domain::InvalidField::new(
+        "max_in_flight_bytes",
+        format!(
+            "must be at least {largest} bytes, what the largest message the limits allow costs \
+             (twice the larger of 4 MiB and twice --max-response-bytes, plus {PER_CALL_BYTES}), \
+             got {}",
+            config.max_in_flight_bytes
+        ),
+    )
+    .into())
+}
+
 pub struct Application {
     grpc_listener: TcpListener,
     metrics_listener: Option<TcpListener>,
@@ -172,6 +200,7 @@ impl Application {
         // gauges, and a metric recorded earlier goes nowhere.
         telemetry::metrics_handle();
         config.limits.check()?;
+        check_budget_fits_a_call(&config)?;
         if let Some(batching) = config.batching {
             check_pool_fits_batching(&pool, batching)?;
         }
@@ -295,6 +324,11 @@ impl Application {
         }
         let namespaces = NamespaceLabels::new(config.max_metric_namespaces);
         let authorizer = Authorizer::new(security.auth.clone());
+        let admission = AdmissionLayer::new(
+            config.limits.clone(),
+            MemoryBudget::new(config.max_in_flight_bytes),
+            namespaces.clone(),
+        );
         let api = IdempotencyServiceServer::new(GrpcService::new(engine, namespaces, authorizer))
             .max_decoding_message_size(max_message);
 
@@ -312,7 +346,11 @@ impl Application {
         let router = Server::builder()
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
             .max_connection_age(config.security.max_connection_age)
+            // Outermost first: who calls (headers only), then the call's
+            // deadline, which also bounds admission's wait for the message.
             .layer(AuthLayer::new(security.auth.clone()))
+            .layer(DeadlineLayer::new(config.request_timeout))
+            .layer(admission)
             .add_service(health_service)
             .add_optional_service(reflection_v1)
             .add_optional_service(reflection_v1alpha)

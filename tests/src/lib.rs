@@ -5,6 +5,7 @@
 mod database;
 pub mod http_app;
 mod proxy;
+pub mod raw;
 pub mod security;
 mod server;
 

@@ -22,6 +22,8 @@ pub fn test_config() -> ServerConfig {
         // Auth is opt-in, as for `make run`; the auth tests turn it on.
         security: idempotency_server::security::SecurityConfig::default(),
         limits: Limits::default(),
+        request_timeout: Duration::from_secs(10),
+        max_in_flight_bytes: 64 * 1024 * 1024,
         health_check_interval: Duration::from_millis(200),
         drain_timeout: Duration::from_secs(10),
         // Tests that need the reaper or the table gauges turn them on.

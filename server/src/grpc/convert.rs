@@ -288,11 +288,10 @@ mod tests {
                 let _ = response.validate("response", &limits);
             }
         }
-        if let Ok(request) = pb::FailRequest::decode(bytes) {
-            if let Failure::Terminal(response) = failure(request.retryable, request.error_response)
-            {
-                let _ = response.validate("error_response", &limits);
-            }
+        if let Ok(request) = pb::FailRequest::decode(bytes)
+            && let Failure::Terminal(response) = failure(request.retryable, request.error_response)
+        {
+            let _ = response.validate("error_response", &limits);
         }
         if let Ok(request) = pb::RenewRequest::decode(bytes)
             && let Ok(Some(lease)) = lease(request.lease)

@@ -1,5 +1,9 @@
 //! The gRPC surface: thin adapters from protobuf to the engine and back.
 //!
+//! - [`deadline`]: every call answers by its deadline or --request-timeout;
+//! - [`admission`]: what a call may cost, refused before it is decoded
+//!   (message sizes, item and header counts, the memory budget), with
+//!   [`wire`] counting fields without decoding;
 //! - [`auth`]: who is calling ([`auth::AuthLayer`]) and whether they may touch
 //!   a namespace ([`auth::Authorizer`]), with auth on;
 //! - [`service`]: one method per RPC: convert, call the engine, convert back;
@@ -7,8 +11,10 @@
 //! - [`status`]: the one place engine errors become `tonic::Status`;
 //! - [`metrics`]: per-call count and duration, recorded even when a call is cancelled.
 
+pub mod admission;
 pub mod auth;
 pub mod convert;
+pub mod deadline;
 pub mod metrics;
 pub mod service;
 pub mod status;

@@ -143,12 +143,7 @@ impl GrpcService {
 
     /// Refuses an empty or oversized batch before any item runs.
     fn check_batch(&self, rpc: &'static str, items: usize) -> Result<(), Status> {
-        let max = self.engine.limits().max_batch_items;
-        let problem = if items == 0 {
-            "must hold at least one request".to_owned()
-        } else if items > max {
-            format!("holds {items} requests; the server takes at most {max}")
-        } else {
+        let Some(problem) = batch_size_problem(items, self.engine.limits().max_batch_items) else {
             return Ok(());
         };
         let refused = Err(to_status(
@@ -157,6 +152,19 @@ impl GrpcService {
         ));
         CallMetrics::start(rpc, &self.namespaces).finish(&refused);
         refused
+    }
+}
+
+/// What is wrong with a batch of `items`, if anything (field `requests`).
+pub(super) fn batch_size_problem(items: usize, max: usize) -> Option<String> {
+    if items == 0 {
+        Some("must hold at least one request".to_owned())
+    } else if items > max {
+        Some(format!(
+            "holds {items} requests; the server takes at most {max}"
+        ))
+    } else {
+        None
     }
 }
 

@@ -32,6 +32,13 @@ pub mod reason {
     pub const NAMESPACE_FORBIDDEN: &str = "NAMESPACE_FORBIDDEN";
     /// With auth on: reflection for a caller the policy grants nothing.
     pub const NOT_GRANTED: &str = "NOT_GRANTED";
+    /// The request message is longer than its method can validly be.
+    pub const MESSAGE_TOO_LARGE: &str = "MESSAGE_TOO_LARGE";
+    /// The calls in flight hold the server's memory budget: shed, retry.
+    pub const OVERLOADED: &str = "OVERLOADED";
+    /// No answer within the call's deadline (the caller's, or the server's
+    /// --request-timeout): the database is slow or unreachable.
+    pub const REQUEST_TIMEOUT: &str = "REQUEST_TIMEOUT";
 }
 
 /// A status with its `ErrorInfo` reason (domain `idempotency`).

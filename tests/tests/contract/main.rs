@@ -5,6 +5,7 @@
 mod acquire;
 mod admin;
 mod batch;
+mod bounds;
 mod complete;
 mod fail;
 mod lease;
