@@ -13,3 +13,9 @@ test:
 .PHONY: bench
 bench:
 	scripts/bench.sh
+
+# The server's peak memory under hostile input, many calls at once, against
+# the chart's memory limit (release build, throwaway Postgres; see the script).
+.PHONY: memory-check
+memory-check:
+	scripts/memory-check.sh
