@@ -73,6 +73,8 @@ pub struct ServeArgs {
     pub reflection: bool,
     #[command(flatten)]
     pub security: SecurityArgs,
+    #[command(flatten)]
+    pub connections: ConnectionArgs,
     /// Apply migrations before serving.
     #[arg(long, env = "IDEMPOTENCY_MIGRATE")]
     pub migrate: bool,
@@ -223,6 +225,59 @@ impl SecurityArgs {
             policy: self.auth_policy.clone(),
             reload_interval: self.reload_interval,
             max_connection_age: self.max_connection_age,
+        }
+    }
+}
+
+/// Client connections on the gRPC port (docs/operations.md, "Limits").
+/// Sized from measurements: an idle connection costs the server about
+/// 40 KiB (plain text) to 70 KiB (TLS), a call in flight a few KiB more.
+#[derive(Debug, Clone, Args)]
+pub struct ConnectionArgs {
+    /// Most client connections open at once on the gRPC port; one more is
+    /// accepted and closed at once, so its client fails fast and may try
+    /// another replica. The health port and /metrics are not counted.
+    #[arg(long, env = "IDEMPOTENCY_MAX_CONNECTIONS", default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
+    /// How long a new connection has to finish its TLS handshake and send
+    /// the HTTP/2 preface before it is closed.
+    #[arg(long, env = "IDEMPOTENCY_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = positive_duration)]
+    pub handshake_timeout: Duration,
+    /// Most calls in flight on one connection (HTTP/2
+    /// MAX_CONCURRENT_STREAMS); a client opening more gets REFUSED_STREAM,
+    /// which gRPC clients retry.
+    #[arg(long, env = "IDEMPOTENCY_MAX_CONCURRENT_STREAMS", default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_concurrent_streams: u32,
+    /// How long a connection may stay quiet before the server pings it.
+    #[arg(long, env = "IDEMPOTENCY_HTTP2_KEEPALIVE_INTERVAL", default_value = "30s", value_parser = positive_duration)]
+    pub http2_keepalive_interval: Duration,
+    /// How long a ping may go unanswered before the connection is closed
+    /// (a peer that vanished without a FIN or RST).
+    #[arg(long, env = "IDEMPOTENCY_HTTP2_KEEPALIVE_TIMEOUT", default_value = "20s", value_parser = positive_duration)]
+    pub http2_keepalive_timeout: Duration,
+    /// Calls a client opened and cancelled before the server took them up,
+    /// waiting at once, beyond which the connection is closed as an HTTP/2
+    /// rapid-reset attack. Generous: a client whose calls time out while the
+    /// server is paused (a long GC-free stop, a SIGSTOP, a throttled CPU)
+    /// sends all its cancellations at once when it resumes.
+    #[arg(long, env = "IDEMPOTENCY_HTTP2_MAX_PENDING_RESET_STREAMS", default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
+    pub http2_max_pending_reset_streams: u32,
+    /// Calls the server reset for a client's protocol errors, over one
+    /// connection's life, beyond which it is closed (HTTP/2 "made you reset").
+    #[arg(long, env = "IDEMPOTENCY_HTTP2_MAX_LOCAL_ERROR_RESET_STREAMS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    pub http2_max_local_error_reset_streams: u32,
+}
+
+impl ConnectionArgs {
+    pub fn settings(&self) -> crate::grpc::connections::ConnectionSettings {
+        crate::grpc::connections::ConnectionSettings {
+            max_connections: self.max_connections as usize,
+            handshake_timeout: self.handshake_timeout,
+            max_concurrent_streams: self.max_concurrent_streams,
+            keepalive_interval: self.http2_keepalive_interval,
+            keepalive_timeout: self.http2_keepalive_timeout,
+            max_pending_accept_reset_streams: self.http2_max_pending_reset_streams as usize,
+            max_local_error_reset_streams: self.http2_max_local_error_reset_streams as usize,
         }
     }
 }

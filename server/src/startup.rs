@@ -15,6 +15,7 @@ use crate::{
     grpc::{
         GrpcService,
         auth::{AuthLayer, Authorizer},
+        connections::{self, ConnectionSettings},
         pb,
         service::IdempotencyServiceServer,
     },
@@ -40,6 +41,8 @@ pub struct ServerConfig {
     pub reflection: bool,
     /// TLS, caller identity and the namespace policy.
     pub security: SecurityConfig,
+    /// Client connections: how many, how soon they greet, HTTP/2 limits.
+    pub connections: ConnectionSettings,
     pub limits: Limits,
     pub health_check_interval: Duration,
     pub drain_timeout: Duration,
@@ -63,6 +66,7 @@ impl ServerConfig {
             health_addr: args.health_addr,
             reflection: args.reflection,
             security: args.security.config(),
+            connections: args.connections.settings(),
             limits: args.limits(),
             health_check_interval: args.health_check_interval,
             drain_timeout: args.drain_timeout,
@@ -309,23 +313,25 @@ impl Application {
         let stopped = async {
             let _ = stop_rx.await;
         };
-        let router = Server::builder()
-            .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        let router = config
+            .connections
+            .http2(Server::builder())
             .max_connection_age(config.security.max_connection_age)
             .layer(AuthLayer::new(security.auth.clone()))
             .add_service(health_service)
             .add_optional_service(reflection_v1)
             .add_optional_service(reflection_v1alpha)
             .add_service(api);
+        let gate = config.connections.gate();
         let server: std::pin::Pin<
             Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>,
         > = match &security.tls {
             Some(tls) => Box::pin(router.serve_with_incoming_shutdown(
-                security::tls::incoming(grpc_listener, tls.clone()),
+                security::tls::incoming(grpc_listener, tls.clone(), gate),
                 stopped,
             )),
             None => Box::pin(router.serve_with_incoming_shutdown(
-                TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+                connections::plaintext(grpc_listener, gate),
                 stopped,
             )),
         };

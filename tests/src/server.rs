@@ -21,6 +21,8 @@ pub fn test_config() -> ServerConfig {
         reflection: true,
         // Auth is opt-in, as for `make run`; the auth tests turn it on.
         security: idempotency_server::security::SecurityConfig::default(),
+        // As served by default; the connection tests shorten what they test.
+        connections: idempotency_server::grpc::connections::ConnectionSettings::default(),
         limits: Limits::default(),
         health_check_interval: Duration::from_millis(200),
         drain_timeout: Duration::from_secs(10),
