@@ -6,6 +6,7 @@ mod acquire;
 mod admin;
 mod batch;
 mod complete;
+mod connections;
 mod fail;
 mod lease;
 mod migrations;
