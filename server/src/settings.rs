@@ -266,6 +266,12 @@ pub struct ConnectionArgs {
     /// connection's life, beyond which it is closed (HTTP/2 "made you reset").
     #[arg(long, env = "IDEMPOTENCY_HTTP2_MAX_LOCAL_ERROR_RESET_STREAMS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
     pub http2_max_local_error_reset_streams: u32,
+    /// Most calls in flight across every connection; one more is answered
+    /// UNAVAILABLE (reason OVERLOADED) at once, before its request is read.
+    /// Each costs about 9 KiB before any request byte, so the default holds
+    /// them to some 36 MiB.
+    #[arg(long, env = "IDEMPOTENCY_MAX_CONCURRENT_CALLS", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_concurrent_calls: u32,
 }
 
 impl ConnectionArgs {
@@ -278,6 +284,7 @@ impl ConnectionArgs {
             keepalive_timeout: self.http2_keepalive_timeout,
             max_pending_accept_reset_streams: self.http2_max_pending_reset_streams as usize,
             max_local_error_reset_streams: self.http2_max_local_error_reset_streams as usize,
+            max_concurrent_calls: self.max_concurrent_calls as usize,
         }
     }
 }

@@ -315,7 +315,7 @@ impl Application {
         };
         let router = config
             .connections
-            .http2(Server::builder())
+            .server()
             .max_connection_age(config.security.max_connection_age)
             .layer(AuthLayer::new(security.auth.clone()))
             .add_service(health_service)

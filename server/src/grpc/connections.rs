@@ -31,6 +31,9 @@ use tokio::{
 };
 use tonic::transport::{Server, server::Connected, server::TcpIncoming};
 
+use tower::layer::util::{Identity, Stack};
+
+use super::call_limit::CallLimitLayer;
 use crate::metrics::{GRPC_CONNECTIONS, GRPC_CONNECTIONS_CLOSED_TOTAL};
 
 /// `PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n`, which every HTTP/2 client sends first.
@@ -56,6 +59,9 @@ pub struct ConnectionSettings {
     /// Streams the server reset for the client's protocol errors over the
     /// connection's life before it is closed (the "made you reset" attack).
     pub max_local_error_reset_streams: usize,
+    /// Calls in flight across every connection; one more is answered
+    /// `UNAVAILABLE` at once ([`super::call_limit`]).
+    pub max_concurrent_calls: usize,
 }
 
 impl Default for ConnectionSettings {
@@ -69,19 +75,22 @@ impl Default for ConnectionSettings {
             keepalive_timeout: Duration::from_secs(20),
             max_pending_accept_reset_streams: 1000,
             max_local_error_reset_streams: 1024,
+            max_concurrent_calls: 4096,
         }
     }
 }
 
 impl ConnectionSettings {
-    /// The HTTP/2 settings of `server`.
-    pub fn http2<L>(&self, server: Server<L>) -> Server<L> {
-        server
+    /// A server builder with these HTTP/2 settings and, outermost, the cap
+    /// on calls in flight.
+    pub fn server(&self) -> Server<Stack<CallLimitLayer, Identity>> {
+        Server::builder()
             .max_concurrent_streams(self.max_concurrent_streams)
             .http2_keepalive_interval(Some(self.keepalive_interval))
             .http2_keepalive_timeout(Some(self.keepalive_timeout))
             .http2_max_pending_accept_reset_streams(Some(self.max_pending_accept_reset_streams))
             .http2_max_local_error_reset_streams(Some(self.max_local_error_reset_streams))
+            .layer(CallLimitLayer::new(self.max_concurrent_calls))
     }
 
     /// The gate that counts connections against `max_connections`.

@@ -1,7 +1,8 @@
 //! The gRPC surface: thin adapters from protobuf to the engine and back.
 //!
 //! - [`connections`]: how many clients may connect, how soon they must greet,
-//!   and the HTTP/2 limits each connection is served with;
+//!   and the HTTP/2 limits each connection is served with; [`call_limit`]:
+//!   how many calls may be in flight across them all;
 //! - [`auth`]: who is calling ([`auth::AuthLayer`]) and whether they may touch
 //!   a namespace ([`auth::Authorizer`]), with auth on;
 //! - [`service`]: one method per RPC: convert, call the engine, convert back;
@@ -10,6 +11,7 @@
 //! - [`metrics`]: per-call count and duration, recorded even when a call is cancelled.
 
 pub mod auth;
+pub mod call_limit;
 pub mod connections;
 pub mod convert;
 pub mod metrics;

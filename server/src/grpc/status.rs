@@ -23,6 +23,8 @@ pub mod reason {
     pub const NOT_IN_PROGRESS: &str = "NOT_IN_PROGRESS";
     pub const DATABASE_UNAVAILABLE: &str = "DATABASE_UNAVAILABLE";
     pub const CONTENTION: &str = "CONTENTION";
+    /// `--max-concurrent-calls` calls were in flight: nothing was read.
+    pub const OVERLOADED: &str = "OVERLOADED";
     pub const INTERNAL: &str = "INTERNAL";
     /// Batch items only: the answer did not fit in the batch's reply.
     pub const BATCH_REPLY_FULL: &str = "BATCH_REPLY_FULL";

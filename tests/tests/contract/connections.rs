@@ -1,6 +1,6 @@
 //! Connection limits on the gRPC port: silent connections are closed, the
 //! connection cap refuses at once, MAX_CONCURRENT_STREAMS is advertised and
-//! enforced, and a client resuming after the server was paused keeps its
+//! enforced, calls beyond the cap in flight are shed, and a client resuming after the server was paused keeps its
 //! connection. Raw HTTP/2 frames where a real client would obey the limits.
 
 use std::{
@@ -14,7 +14,7 @@ use std::{
 };
 
 use idempotency_server::{grpc::connections::ConnectionSettings, startup::ServerConfig};
-use idempotency_tests::{TestDb, TestServer, http_get, metric_value, test_config};
+use idempotency_tests::{TestDb, TestServer, assert_error, http_get, metric_value, test_config};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::TcpStream,
@@ -50,6 +50,8 @@ fn config(connections: ConnectionSettings) -> ServerConfig {
 
 const OPEN: &str = "idempotency_grpc_connections";
 const REFUSED: &str = r#"idempotency_grpc_connections_closed_total{reason="refused"}"#;
+const IN_FLIGHT: &str = "idempotency_grpc_calls_in_flight";
+const CALLS_REFUSED: &str = "idempotency_grpc_calls_refused_total";
 const TIMED_OUT: &str = r#"idempotency_grpc_connections_closed_total{reason="handshake_timeout"}"#;
 
 async fn metric(server: &TestServer, series: &str) -> Option<f64> {
@@ -277,6 +279,38 @@ async fn streams_beyond_the_advertised_max_concurrent_streams_are_refused() {
     .await
     .unwrap();
     assert!(answered);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_beyond_the_cap_in_flight_is_answered_unavailable_overloaded_at_once() {
+    let db = TestDb::new().await;
+    let server = TestServer::start_config(
+        &db,
+        config(ConnectionSettings {
+            max_concurrent_calls: 3,
+            ..ConnectionSettings::default()
+        }),
+    )
+    .await;
+    // Three calls in flight, each waiting for its request message.
+    let (mut holder, _) = handshake(server.addr).await;
+    for stream in [1, 3, 5] {
+        holder.write_all(&check_headers(stream)).await.unwrap();
+    }
+    wait_for_metric(&server, IN_FLIGHT, |calls| calls == 3.0).await;
+    let mut health = HealthClient::new(TestServer::channel_to(server.addr).await);
+
+    let refused = health.check(HealthCheckRequest::default()).await;
+
+    assert_error(refused, tonic::Code::Unavailable, "OVERLOADED");
+    assert_eq!(metric(&server, CALLS_REFUSED).await, Some(1.0));
+    // One call finishes: there is room again.
+    holder
+        .write_all(&frame(0x0, 0x1, 1, &[0u8; 5]))
+        .await
+        .unwrap();
+    wait_for_metric(&server, IN_FLIGHT, |calls| calls == 2.0).await;
+    health.check(HealthCheckRequest::default()).await.unwrap();
 }
 
 /// The real server in a process of its own, killed on drop.
