@@ -229,6 +229,52 @@ async fn a_connection_beyond_the_cap_is_closed_at_once_and_counted_until_one_end
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_tls_the_cap_refuses_before_the_handshake_and_a_silent_connection_is_closed() {
+    use idempotency_server::security::{SecurityConfig, tls::TlsFiles};
+    use idempotency_tests::security::{Pki, TempDir, tls_channel};
+    let db = TestDb::new().await;
+    let dir = TempDir::new("connections");
+    let pki = Pki::new("connections");
+    let server_cert = pki.server("server");
+    dir.write("tls.crt", &server_cert.cert);
+    dir.write("tls.key", &server_cert.key);
+    let server = TestServer::start_config(
+        &db,
+        ServerConfig {
+            security: SecurityConfig {
+                tls: Some(TlsFiles {
+                    cert: dir.path("tls.crt"),
+                    key: dir.path("tls.key"),
+                    client_ca: None,
+                }),
+                ..SecurityConfig::default()
+            },
+            ..config(ConnectionSettings {
+                max_connections: 2,
+                handshake_timeout: Duration::from_secs(1),
+                ..ConnectionSettings::default()
+            })
+        },
+    )
+    .await;
+    let channel = tls_channel(server.addr, &pki.ca_pem(), None).await.unwrap();
+    let silent = TcpStream::connect(server.addr).await.unwrap();
+    wait_for_metric(&server, OPEN, |open| open == 2.0).await;
+
+    let refused = TcpStream::connect(server.addr).await.unwrap();
+    let sent = read_until_closed(refused).await;
+
+    assert_eq!(sent, 0, "no TLS handshake for a refused connection");
+    assert_eq!(metric(&server, REFUSED).await, Some(1.0));
+    assert_eq!(read_until_closed(silent).await, 0);
+    assert_eq!(metric(&server, TIMED_OUT).await, Some(1.0));
+    // The connection that greeted in time outlives the deadline.
+    let mut health = HealthClient::new(channel);
+    health.check(HealthCheckRequest::default()).await.unwrap();
+    assert_eq!(metric(&server, OPEN).await, Some(1.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_beyond_the_advertised_max_concurrent_streams_are_refused() {
     let db = TestDb::new().await;
     let server = TestServer::start_config(
