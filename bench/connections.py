@@ -8,13 +8,19 @@ Health/Check whose request message never comes), reading the server's VmRSS
 from /proc/PID/status before and after each step.
 
     bench/connections.py --pid PID --addr 127.0.0.1:50051 [--tls] \
-        [--connections 1000] [--streams-connections 10] [--streams 100]
+        [--connections 1000] [--streams-connections 10] [--streams 100] [--resets 900]
+
+With --resets N it then also pauses the server (SIGSTOP), sends N calls each
+cancelled at once on one connection, resumes it (SIGCONT), and reports the
+peak RSS (VmHWM) growth and whether the connection survived.
 
 The server's --max-connections and --max-concurrent-streams must allow what is
 asked. Prints one line per step: RSS before, after, and the cost per unit.
 """
 
 import argparse
+import os
+import signal
 import socket
 import ssl
 import struct
@@ -86,6 +92,49 @@ def call(sock, stream):
             return
 
 
+def hwm_kib(pid):
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmHWM")
+
+
+def cancelled_during_pause(pid, addr, tls, calls):
+    """Pauses the server, sends `calls` calls each cancelled at once (what a
+    client whose deadlines pass while the server is stopped sends), resumes
+    it. Returns the peak RSS before and after, and whether the connection
+    still answers a PING (no GOAWAY)."""
+    sock = connect(addr, tls)
+    peak = hwm_kib(pid)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        burst = b"".join(
+            check_headers(1 + 2 * i) + frame(0x3, 0, 1 + 2 * i, struct.pack(">I", 0x8))
+            for i in range(calls)
+        )
+        sock.sendall(burst)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    time.sleep(1)
+    alive = False
+    sock.settimeout(10)
+    try:
+        sock.sendall(frame(0x6, 0, 0, b"measure!"))
+        while True:
+            header = read_exact(sock, 9)
+            read_exact(sock, int.from_bytes(header[:3], "big"))
+            if header[3] == 0x7:  # GOAWAY
+                break
+            if header[3] == 0x6 and header[4] & 0x1:  # PING ACK
+                alive = True
+                break
+    except (OSError, ConnectionError):
+        pass
+    sock.close()
+    return peak, hwm_kib(pid), alive
+
+
 def settle(pid, seconds=2.0):
     time.sleep(seconds)
     return rss_kib(pid)
@@ -99,6 +148,7 @@ def main():
     parser.add_argument("--connections", type=int, default=1000)
     parser.add_argument("--streams-connections", type=int, default=10)
     parser.add_argument("--streams", type=int, default=100)
+    parser.add_argument("--resets", type=int, default=0, help="also: calls cancelled during a pause")
     args = parser.parse_args()
     kind = "TLS" if args.tls else "plain text"
 
@@ -126,6 +176,12 @@ def main():
     print(f"{kind}: {calls} open calls on {len(busy)} connections: RSS {before} -> {after} KiB, {per:.2f} KiB each")
     for sock in idle:
         sock.close()
+
+    if args.resets:
+        before, after, alive = cancelled_during_pause(args.pid, args.addr, args.tls, args.resets)
+        per = (after - before) / args.resets
+        state = "connection kept" if alive else "connection closed (GOAWAY)"
+        print(f"{kind}: {args.resets} calls cancelled during a pause: peak RSS {before} -> {after} KiB, {per:.2f} KiB each; {state}")
 
 
 if __name__ == "__main__":
