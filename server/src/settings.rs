@@ -230,8 +230,8 @@ impl SecurityArgs {
 }
 
 /// Client connections on the gRPC port (docs/operations.md, "Limits").
-/// Sized from measurements: an idle connection costs the server about
-/// 40 KiB (plain text) to 70 KiB (TLS), a call in flight a few KiB more.
+/// Sized from measurements (bench/connections.py): a connection costs the
+/// server about 21 KiB (plain text) to 30 KiB (TLS), a call in flight 9 KiB.
 #[derive(Debug, Clone, Args)]
 pub struct ConnectionArgs {
     /// Most client connections open at once on the gRPC port; one more is
@@ -258,7 +258,7 @@ pub struct ConnectionArgs {
     /// Calls a client opened and cancelled before the server took them up,
     /// waiting at once, beyond which the connection is closed as an HTTP/2
     /// rapid-reset attack. Generous: a client whose calls time out while the
-    /// server is paused (a long GC-free stop, a SIGSTOP, a throttled CPU)
+    /// server is paused (a SIGSTOP, a VM migration, a throttled CPU)
     /// sends all its cancellations at once when it resumes.
     #[arg(long, env = "IDEMPOTENCY_HTTP2_MAX_PENDING_RESET_STREAMS", default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
     pub http2_max_pending_reset_streams: u32,
@@ -567,6 +567,23 @@ mod tests {
         let args = serve(&["--reaper-interval", "1s", "--reaper-batch-size", "1"]).unwrap();
         assert_eq!(args.reaper.reaper_interval, Duration::from_secs(1));
         assert_eq!(args.reaper.reaper_batch_size, 1);
+    }
+
+    #[test]
+    fn connection_flags_default_to_the_connection_settings_defaults() {
+        let args = serve_without_env(&["serve", "--database-url", "postgres://db/x"]).unwrap();
+        assert_eq!(
+            args.connections.settings(),
+            crate::grpc::connections::ConnectionSettings::default()
+        );
+        let zero = serve_without_env(&[
+            "serve",
+            "--database-url",
+            "postgres://db/x",
+            "--max-connections",
+            "0",
+        ]);
+        assert!(zero.unwrap_err().to_string().contains("--max-connections"));
     }
 
     /// The `serve` command line alone: the tests run where DATABASE_URL is set.

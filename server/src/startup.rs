@@ -41,7 +41,7 @@ pub struct ServerConfig {
     pub reflection: bool,
     /// TLS, caller identity and the namespace policy.
     pub security: SecurityConfig,
-    /// Client connections: how many, how soon they greet, HTTP/2 limits.
+    /// Client connections and calls: how many, how soon they greet, HTTP/2 limits.
     pub connections: ConnectionSettings,
     pub limits: Limits,
     pub health_check_interval: Duration,
