@@ -1,7 +1,9 @@
 //! Connection limits on the gRPC port: silent connections are closed, the
 //! connection cap refuses at once, MAX_CONCURRENT_STREAMS is advertised and
-//! enforced, calls beyond the cap in flight are shed, and a client resuming after the server was paused keeps its
-//! connection. Raw HTTP/2 frames where a real client would obey the limits.
+//! enforced, calls beyond the cap in flight are shed, a peer that stops
+//! answering pings is closed, and a client resuming after the server was
+//! paused keeps its connection. Raw HTTP/2 frames where a real client would
+//! obey the limits.
 
 use std::{
     net::SocketAddr,
@@ -31,6 +33,7 @@ const SETTINGS: u8 = 0x4;
 const HEADERS: u8 = 0x1;
 const RST_STREAM: u8 = 0x3;
 const GOAWAY: u8 = 0x7;
+const PING: u8 = 0x6;
 const ACK: u8 = 0x1;
 const END_HEADERS: u8 = 0x4;
 const SETTINGS_MAX_CONCURRENT_STREAMS: u16 = 0x3;
@@ -272,6 +275,34 @@ async fn over_tls_the_cap_refuses_before_the_handshake_and_a_silent_connection_i
     let mut health = HealthClient::new(channel);
     health.check(HealthCheckRequest::default()).await.unwrap();
     assert_eq!(metric(&server, OPEN).await, Some(1.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_stops_answering_pings_is_closed() {
+    let db = TestDb::new().await;
+    let server = TestServer::start_config(
+        &db,
+        config(ConnectionSettings {
+            keepalive_interval: Duration::from_millis(500),
+            keepalive_timeout: Duration::from_millis(500),
+            ..ConnectionSettings::default()
+        }),
+    )
+    .await;
+    let (mut tcp, _) = handshake(server.addr).await;
+
+    // Read everything, answer nothing: as a peer whose host vanished.
+    let mut pinged = false;
+    let closed = tokio::time::timeout(BOUND, async {
+        while let Some((kind, flags, _, _)) = read_frame(&mut tcp).await {
+            pinged |= kind == PING && flags & ACK == 0;
+        }
+    })
+    .await;
+
+    assert!(closed.is_ok(), "the server closes the connection");
+    assert!(pinged, "after pinging it");
+    wait_for_metric(&server, OPEN, |open| open == 0.0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
