@@ -15,6 +15,7 @@
 //! not counted, so a full gRPC port does not fail the pod's probes.
 
 use std::{
+    convert::Infallible,
     io,
     pin::Pin,
     sync::Arc,
@@ -38,6 +39,9 @@ use crate::metrics::{GRPC_CONNECTIONS, GRPC_CONNECTIONS_CLOSED_TOTAL};
 
 /// `PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n`, which every HTTP/2 client sends first.
 const PREFACE_LEN: usize = 24;
+
+/// After a failed accept, how long to wait before the next.
+const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
 
 /// How the gRPC port treats client connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,15 +184,23 @@ impl Admission {
 pub fn plaintext(
     listener: TcpListener,
     gate: Gate,
-) -> impl Stream<Item = io::Result<Connection<TcpStream>>> {
+) -> impl Stream<Item = Result<Connection<TcpStream>, Infallible>> {
     TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .filter_map(move |accepted| {
-            let admitted = match accepted {
-                Ok(tcp) => gate.admit().map(|admission| Ok(admission.connection(tcp))),
-                Err(error) => Some(Err(error)),
-            };
-            std::future::ready(admitted)
+            let gate = gate.clone();
+            async move {
+                match accepted {
+                    Ok(tcp) => gate.admit().map(|admission| Ok(admission.connection(tcp))),
+                    Err(error) => {
+                        // Out of file descriptors and the like: wait, do not
+                        // spin (the TLS path does the same).
+                        tracing::warn!(%error, "accepting a connection failed");
+                        tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
+                        None
+                    }
+                }
+            }
         })
 }
 
