@@ -36,6 +36,10 @@ pub const AUTH_MODE: &str = "idempotency_auth_mode";
 pub const AUTH_DENIED_TOTAL: &str = "idempotency_auth_denied_total";
 pub const CONFIG_RELOADS_TOTAL: &str = "idempotency_config_reloads_total";
 pub const CONFIG_FILE_VALID: &str = "idempotency_config_file_valid";
+pub const GRPC_CONNECTIONS: &str = "idempotency_grpc_connections";
+pub const GRPC_CONNECTIONS_CLOSED_TOTAL: &str = "idempotency_grpc_connections_closed_total";
+pub const GRPC_CALLS_IN_FLIGHT: &str = "idempotency_grpc_calls_in_flight";
+pub const GRPC_CALLS_REFUSED_TOTAL: &str = "idempotency_grpc_calls_refused_total";
 pub const TLS_CERTIFICATE_EXPIRY_SECONDS: &str =
     "idempotency_tls_certificate_expiry_timestamp_seconds";
 
@@ -173,6 +177,27 @@ pub fn describe() {
         CONFIG_FILE_VALID,
         "1 while the security file on disk is the version in force; 0 when its last change did \
          not parse and an older version serves."
+    );
+    describe_gauge!(
+        GRPC_CONNECTIONS,
+        "Client connections open on the gRPC port, those still in their handshake included \
+         (at most --max-connections)."
+    );
+    describe_counter!(
+        GRPC_CONNECTIONS_CLOSED_TOTAL,
+        "gRPC port connections the server closed before serving a call, by reason: refused \
+         (--max-connections were open), handshake_timeout (no TLS handshake and HTTP/2 preface \
+         within --handshake-timeout)."
+    );
+    describe_gauge!(
+        GRPC_CALLS_IN_FLIGHT,
+        "gRPC calls in flight across every connection, until their answer is ready \
+         (at most --max-concurrent-calls)."
+    );
+    describe_counter!(
+        GRPC_CALLS_REFUSED_TOTAL,
+        "gRPC calls answered UNAVAILABLE (reason OVERLOADED) at once because \
+         --max-concurrent-calls calls were in flight."
     );
     describe_gauge!(
         TLS_CERTIFICATE_EXPIRY_SECONDS,

@@ -73,6 +73,8 @@ pub struct ServeArgs {
     pub reflection: bool,
     #[command(flatten)]
     pub security: SecurityArgs,
+    #[command(flatten)]
+    pub connections: ConnectionArgs,
     /// Apply migrations before serving.
     #[arg(long, env = "IDEMPOTENCY_MIGRATE")]
     pub migrate: bool,
@@ -116,10 +118,10 @@ pub struct ServeArgs {
     #[arg(long, env = "IDEMPOTENCY_REQUEST_TIMEOUT", default_value = "10s", value_parser = positive_duration)]
     pub request_timeout: Duration,
     /// Memory the calls in flight may hold: each call's message twice (the
-    /// buffer and the decoded request), its reply, and 4 KiB. A call that
+    /// buffer and the decoded request), its reply, and 10 KiB. A call that
     /// would pass it is refused at once with UNAVAILABLE (reason
     /// OVERLOADED) before its message is read. At least twice the largest
-    /// message (2 × 4 MiB + 4 KiB by default).
+    /// message (2 × 4 MiB + 10 KiB by default).
     #[arg(long, env = "IDEMPOTENCY_MAX_IN_FLIGHT_BYTES", default_value_t = 64 * 1024 * 1024)]
     pub max_in_flight_bytes: usize,
 
@@ -244,6 +246,66 @@ impl SecurityArgs {
             policy: self.auth_policy.clone(),
             reload_interval: self.reload_interval,
             max_connection_age: self.max_connection_age,
+        }
+    }
+}
+
+/// Client connections on the gRPC port (docs/operations.md, "Limits").
+/// Sized from measurements (bench/connections.py): a connection costs the
+/// server about 21 KiB (plain text) to 30 KiB (TLS), a call in flight 9 KiB.
+#[derive(Debug, Clone, Args)]
+pub struct ConnectionArgs {
+    /// Most client connections open at once on the gRPC port; one more is
+    /// accepted and closed at once, so its client fails fast and may try
+    /// another replica. The health port and /metrics are not counted.
+    #[arg(long, env = "IDEMPOTENCY_MAX_CONNECTIONS", default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
+    /// How long a new connection has to finish its TLS handshake and send
+    /// the HTTP/2 preface before it is closed.
+    #[arg(long, env = "IDEMPOTENCY_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = positive_duration)]
+    pub handshake_timeout: Duration,
+    /// Most calls in flight on one connection (HTTP/2
+    /// MAX_CONCURRENT_STREAMS); a client opening more gets REFUSED_STREAM,
+    /// which gRPC clients retry.
+    #[arg(long, env = "IDEMPOTENCY_MAX_CONCURRENT_STREAMS", default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_concurrent_streams: u32,
+    /// How long a connection may stay quiet before the server pings it.
+    #[arg(long, env = "IDEMPOTENCY_HTTP2_KEEPALIVE_INTERVAL", default_value = "30s", value_parser = positive_duration)]
+    pub http2_keepalive_interval: Duration,
+    /// How long a ping may go unanswered before the connection is closed
+    /// (a peer that vanished without a FIN or RST).
+    #[arg(long, env = "IDEMPOTENCY_HTTP2_KEEPALIVE_TIMEOUT", default_value = "20s", value_parser = positive_duration)]
+    pub http2_keepalive_timeout: Duration,
+    /// Calls a client opened and cancelled before the server took them up,
+    /// waiting at once, beyond which the connection is closed as an HTTP/2
+    /// rapid-reset attack. Generous: a client whose calls time out while the
+    /// server is paused (a SIGSTOP, a VM migration, a throttled CPU)
+    /// sends all its cancellations at once when it resumes.
+    #[arg(long, env = "IDEMPOTENCY_HTTP2_MAX_PENDING_RESET_STREAMS", default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
+    pub http2_max_pending_reset_streams: u32,
+    /// Calls the server reset for a client's protocol errors, over one
+    /// connection's life, beyond which it is closed (HTTP/2 "made you reset").
+    #[arg(long, env = "IDEMPOTENCY_HTTP2_MAX_LOCAL_ERROR_RESET_STREAMS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    pub http2_max_local_error_reset_streams: u32,
+    /// Most calls in flight across every connection; one more is answered
+    /// UNAVAILABLE (reason OVERLOADED) at once, before its request is read.
+    /// Each costs about 9 KiB before any request byte, so the default holds
+    /// them to some 36 MiB.
+    #[arg(long, env = "IDEMPOTENCY_MAX_CONCURRENT_CALLS", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_concurrent_calls: u32,
+}
+
+impl ConnectionArgs {
+    pub fn settings(&self) -> crate::grpc::connections::ConnectionSettings {
+        crate::grpc::connections::ConnectionSettings {
+            max_connections: self.max_connections as usize,
+            handshake_timeout: self.handshake_timeout,
+            max_concurrent_streams: self.max_concurrent_streams,
+            keepalive_interval: self.http2_keepalive_interval,
+            keepalive_timeout: self.http2_keepalive_timeout,
+            max_pending_accept_reset_streams: self.http2_max_pending_reset_streams as usize,
+            max_local_error_reset_streams: self.http2_max_local_error_reset_streams as usize,
+            max_concurrent_calls: self.max_concurrent_calls as usize,
         }
     }
 }
@@ -527,6 +589,23 @@ mod tests {
         let args = serve(&["--reaper-interval", "1s", "--reaper-batch-size", "1"]).unwrap();
         assert_eq!(args.reaper.reaper_interval, Duration::from_secs(1));
         assert_eq!(args.reaper.reaper_batch_size, 1);
+    }
+
+    #[test]
+    fn connection_flags_default_to_the_connection_settings_defaults() {
+        let args = serve_without_env(&["serve", "--database-url", "postgres://db/x"]).unwrap();
+        assert_eq!(
+            args.connections.settings(),
+            crate::grpc::connections::ConnectionSettings::default()
+        );
+        let zero = serve_without_env(&[
+            "serve",
+            "--database-url",
+            "postgres://db/x",
+            "--max-connections",
+            "0",
+        ]);
+        assert!(zero.unwrap_err().to_string().contains("--max-connections"));
     }
 
     /// The `serve` command line alone: the tests run where DATABASE_URL is set.

@@ -16,6 +16,7 @@ use crate::{
         GrpcService,
         admission::{AdmissionLayer, MemoryBudget, PER_CALL_BYTES},
         auth::{AuthLayer, Authorizer},
+        connections::{self, ConnectionSettings},
         deadline::DeadlineLayer,
         pb,
         service::IdempotencyServiceServer,
@@ -42,6 +43,8 @@ pub struct ServerConfig {
     pub reflection: bool,
     /// TLS, caller identity and the namespace policy.
     pub security: SecurityConfig,
+    /// Client connections and calls: how many, how soon they greet, HTTP/2 limits.
+    pub connections: ConnectionSettings,
     pub limits: Limits,
     /// The longest a call of the service may take, whatever the caller's deadline.
     pub request_timeout: Duration,
@@ -70,6 +73,7 @@ impl ServerConfig {
             health_addr: args.health_addr,
             reflection: args.reflection,
             security: args.security.config(),
+            connections: args.connections.settings(),
             limits: args.limits(),
             request_timeout: args.request_timeout,
             max_in_flight_bytes: args.max_in_flight_bytes,
@@ -343,8 +347,9 @@ impl Application {
         let stopped = async {
             let _ = stop_rx.await;
         };
-        let router = Server::builder()
-            .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        let router = config
+            .connections
+            .server()
             .max_connection_age(config.security.max_connection_age)
             // Outermost first: who calls (headers only), then the call's
             // deadline, which also bounds admission's wait for the message.
@@ -355,15 +360,16 @@ impl Application {
             .add_optional_service(reflection_v1)
             .add_optional_service(reflection_v1alpha)
             .add_service(api);
+        let gate = config.connections.gate();
         let server: std::pin::Pin<
             Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>,
         > = match &security.tls {
             Some(tls) => Box::pin(router.serve_with_incoming_shutdown(
-                security::tls::incoming(grpc_listener, tls.clone()),
+                security::tls::incoming(grpc_listener, tls.clone(), gate),
                 stopped,
             )),
             None => Box::pin(router.serve_with_incoming_shutdown(
-                TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+                connections::plaintext(grpc_listener, gate),
                 stopped,
             )),
         };

@@ -21,6 +21,8 @@ pub fn test_config() -> ServerConfig {
         reflection: true,
         // Auth is opt-in, as for `make run`; the auth tests turn it on.
         security: idempotency_server::security::SecurityConfig::default(),
+        // As served by default; the connection tests shorten what they test.
+        connections: idempotency_server::grpc::connections::ConnectionSettings::default(),
         limits: Limits::default(),
         request_timeout: Duration::from_secs(10),
         max_in_flight_bytes: 64 * 1024 * 1024,

@@ -1,5 +1,8 @@
 //! The gRPC surface: thin adapters from protobuf to the engine and back.
 //!
+//! - [`connections`]: how many clients may connect, how soon they must greet,
+//!   and the HTTP/2 limits each connection is served with; [`call_limit`]:
+//!   how many calls may be in flight across them all;
 //! - [`deadline`]: every call answers by its deadline or --request-timeout;
 //! - [`admission`]: what a call may cost, refused before it is decoded
 //!   (message sizes, item and header counts, the memory budget), with
@@ -13,6 +16,8 @@
 
 pub mod admission;
 pub mod auth;
+pub mod call_limit;
+pub mod connections;
 pub mod convert;
 pub mod deadline;
 pub mod metrics;

@@ -34,7 +34,8 @@ pub mod reason {
     pub const NOT_GRANTED: &str = "NOT_GRANTED";
     /// The request message is longer than its method can validly be.
     pub const MESSAGE_TOO_LARGE: &str = "MESSAGE_TOO_LARGE";
-    /// The calls in flight hold the server's memory budget: shed, retry.
+    /// Shed before anything was read: `--max-concurrent-calls` calls were
+    /// in flight, or they held the memory budget (`--max-in-flight-bytes`).
     pub const OVERLOADED: &str = "OVERLOADED";
     /// No answer within the call's deadline (the caller's, or the server's
     /// --request-timeout): the database is slow or unreachable.

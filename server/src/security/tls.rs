@@ -38,9 +38,7 @@ use tokio_rustls::{TlsAcceptor, server::TlsStream};
 use tonic::transport::server::Connected;
 
 use super::watch::{FileError, Watched};
-
-/// A handshake that takes longer than this is dropped.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+use crate::grpc::connections::{self, Connection, Gate};
 
 /// Handshaken connections waiting for the server to take them.
 const ACCEPTED_QUEUE: usize = 64;
@@ -323,7 +321,7 @@ impl AsyncWrite for TlsConnection {
 /// Handshakes run in tasks of their own, so a slow client holds up no other;
 /// dropping the stream stops accepting.
 pub struct TlsIncoming {
-    accepted: mpsc::Receiver<TlsConnection>,
+    accepted: mpsc::Receiver<Connection<TlsConnection>>,
     acceptor: tokio::task::JoinHandle<()>,
 }
 
@@ -334,16 +332,17 @@ impl Drop for TlsIncoming {
 }
 
 impl futures_util::Stream for TlsIncoming {
-    type Item = Result<TlsConnection, Infallible>;
+    type Item = Result<Connection<TlsConnection>, Infallible>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         self.accepted.poll_recv(cx).map(|next| next.map(Ok))
     }
 }
 
-/// Accepts TCP connections on `listener` and hands them over once their
-/// handshake, with the TLS files in force at that moment, succeeded.
-pub fn incoming(listener: TcpListener, tls: Arc<Watched<TlsState>>) -> TlsIncoming {
+/// Accepts TCP connections on `listener` that `gate` admits and hands them
+/// over once their handshake, with the TLS files in force at that moment,
+/// succeeded before the admission's deadline.
+pub fn incoming(listener: TcpListener, tls: Arc<Watched<TlsState>>, gate: Gate) -> TlsIncoming {
     let (sender, accepted) = mpsc::channel(ACCEPTED_QUEUE);
     let acceptor = tokio::spawn(async move {
         loop {
@@ -356,12 +355,16 @@ pub fn incoming(listener: TcpListener, tls: Arc<Watched<TlsState>>) -> TlsIncomi
                     continue;
                 }
             };
+            // Refused before the handshake, which costs the most.
+            let Some(admission) = gate.admit() else {
+                continue;
+            };
             let _ = tcp.set_nodelay(true);
             let state = tls.current();
             let sender = sender.clone();
             tokio::spawn(async move {
                 let handshake = TlsAcceptor::from(state.server.clone()).accept(tcp);
-                let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
+                let stream = match tokio::time::timeout_at(admission.deadline(), handshake).await {
                     Ok(Ok(stream)) => stream,
                     Ok(Err(error)) => {
                         tracing::debug!(%remote_addr, %error, "TLS handshake failed");
@@ -369,6 +372,7 @@ pub fn incoming(listener: TcpListener, tls: Arc<Watched<TlsState>>) -> TlsIncomi
                     }
                     Err(_) => {
                         tracing::debug!(%remote_addr, "TLS handshake timed out");
+                        connections::closed("handshake_timeout");
                         return;
                     }
                 };
@@ -377,7 +381,8 @@ pub fn incoming(listener: TcpListener, tls: Arc<Watched<TlsState>>) -> TlsIncomi
                     remote_addr: Some(remote_addr),
                     peer,
                 };
-                let _ = sender.send(TlsConnection { stream, info }).await;
+                let connection = admission.connection(TlsConnection { stream, info });
+                let _ = sender.send(connection).await;
             });
         }
     });

@@ -125,7 +125,7 @@ async fn frozen_with_small_budget(db: &TestDb) -> (TestServer, idempotency_tests
     let config = ServerConfig {
         metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
         // The smallest budget the limits allow: two 4 MiB messages.
-        max_in_flight_bytes: 8 * 1024 * 1024 + 4096,
+        max_in_flight_bytes: 8 * 1024 * 1024 + 10 * 1024,
         request_timeout: Duration::from_secs(3),
         ..test_config()
     };

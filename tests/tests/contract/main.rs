@@ -7,6 +7,7 @@ mod admin;
 mod batch;
 mod bounds;
 mod complete;
+mod connections;
 mod fail;
 mod lease;
 mod migrations;

@@ -311,6 +311,14 @@ IDEMPOTENCY_MAX_RESPONSE_BYTES: {{ int64 $c.maxResponseBytes | toString | quote 
 IDEMPOTENCY_MAX_BATCH_ITEMS: {{ int64 $c.maxBatchItems | toString | quote }}
 IDEMPOTENCY_REPLAY_CACHE_BYTES: {{ int64 $c.replayCacheBytes | toString | quote }}
 IDEMPOTENCY_REPLAY_CACHE_MAX_AGE: {{ $c.replayCacheMaxAge | quote }}
+IDEMPOTENCY_MAX_CONNECTIONS: {{ int64 $c.maxConnections | toString | quote }}
+IDEMPOTENCY_HANDSHAKE_TIMEOUT: {{ $c.handshakeTimeout | quote }}
+IDEMPOTENCY_MAX_CONCURRENT_STREAMS: {{ int64 $c.maxConcurrentStreams | toString | quote }}
+IDEMPOTENCY_MAX_CONCURRENT_CALLS: {{ int64 $c.maxConcurrentCalls | toString | quote }}
+IDEMPOTENCY_HTTP2_KEEPALIVE_INTERVAL: {{ $c.http2KeepaliveInterval | quote }}
+IDEMPOTENCY_HTTP2_KEEPALIVE_TIMEOUT: {{ $c.http2KeepaliveTimeout | quote }}
+IDEMPOTENCY_HTTP2_MAX_PENDING_RESET_STREAMS: {{ int64 $c.http2MaxPendingResetStreams | toString | quote }}
+IDEMPOTENCY_HTTP2_MAX_LOCAL_ERROR_RESET_STREAMS: {{ int64 $c.http2MaxLocalErrorResetStreams | toString | quote }}
 IDEMPOTENCY_DB_MAX_CONNECTIONS: {{ int64 $c.dbMaxConnections | toString | quote }}
 IDEMPOTENCY_DB_ACQUIRE_TIMEOUT: {{ $c.dbAcquireTimeout | quote }}
 IDEMPOTENCY_STATEMENT_TIMEOUT: {{ $c.statementTimeout | quote }}

@@ -1,0 +1,113 @@
+//! A cap on calls in flight across every connection of the gRPC port.
+//!
+//! MAX_CONCURRENT_STREAMS bounds the calls of one connection; this bounds
+//! them all. Each open call costs the server about 9 KiB before a byte of
+//! its request arrives (bench/connections.py), so without it a thousand
+//! connections of a hundred calls each would hold some 900 MiB.
+//!
+//! A call holds a permit until its answer's headers are ready (a streaming
+//! answer, like health's `Watch`, gives it back then). A call beyond the cap
+//! is answered `UNAVAILABLE`, reason `OVERLOADED`, at once and before its
+//! request is read, so it costs next to nothing: the caller retries with
+//! backoff, or on another replica.
+
+use std::{
+    sync::Arc,
+    task::{Context, Poll},
+};
+
+use futures_util::future::{BoxFuture, Either, Ready, ready};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tonic::Code;
+
+use super::status::{reason, with_reason};
+use crate::metrics::{GRPC_CALLS_IN_FLIGHT, GRPC_CALLS_REFUSED_TOTAL};
+
+/// Applies [`CallLimit`] with one set of permits shared by every connection.
+#[derive(Debug, Clone)]
+pub struct CallLimitLayer {
+    permits: Arc<Semaphore>,
+    max: usize,
+}
+
+impl CallLimitLayer {
+    pub fn new(max: usize) -> Self {
+        // Exported from the start, not from the first call on.
+        metrics::gauge!(GRPC_CALLS_IN_FLIGHT).increment(0.0);
+        Self {
+            permits: Arc::new(Semaphore::new(max)),
+            max,
+        }
+    }
+}
+
+impl<S> tower::Layer<S> for CallLimitLayer {
+    type Service = CallLimit<S>;
+
+    fn layer(&self, inner: S) -> CallLimit<S> {
+        CallLimit {
+            inner,
+            permits: self.permits.clone(),
+            max: self.max,
+        }
+    }
+}
+
+/// Answers calls beyond the cap `UNAVAILABLE` at once.
+#[derive(Debug, Clone)]
+pub struct CallLimit<S> {
+    inner: S,
+    permits: Arc<Semaphore>,
+    max: usize,
+}
+
+impl<S, B> tower::Service<http::Request<B>> for CallLimit<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Either<
+        Ready<Result<S::Response, S::Error>>,
+        BoxFuture<'static, Result<S::Response, S::Error>>,
+    >;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let Ok(permit) = self.permits.clone().try_acquire_owned() else {
+            metrics::counter!(GRPC_CALLS_REFUSED_TOTAL).increment(1);
+            let status = with_reason(
+                Code::Unavailable,
+                format!(
+                    "the server has {} calls in flight, its limit; retry with backoff",
+                    self.max
+                ),
+                reason::OVERLOADED,
+            );
+            return Either::Left(ready(Ok(status.into_http())));
+        };
+        metrics::gauge!(GRPC_CALLS_IN_FLIGHT).increment(1.0);
+        let in_flight = InFlight { _permit: permit };
+        let call = self.inner.call(request);
+        Either::Right(Box::pin(async move {
+            let answer = call.await;
+            drop(in_flight);
+            answer
+        }))
+    }
+}
+
+/// A call's permit, given back when its answer is ready or it is cancelled.
+struct InFlight {
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        metrics::gauge!(GRPC_CALLS_IN_FLIGHT).decrement(1.0);
+    }
+}
