@@ -309,6 +309,9 @@ IDEMPOTENCY_DEFAULT_LEASE: {{ $c.defaultLease | quote }}
 IDEMPOTENCY_MAX_LEASE: {{ $c.maxLease | quote }}
 IDEMPOTENCY_MAX_RESPONSE_BYTES: {{ int64 $c.maxResponseBytes | toString | quote }}
 IDEMPOTENCY_MAX_BATCH_ITEMS: {{ int64 $c.maxBatchItems | toString | quote }}
+IDEMPOTENCY_MAX_RESPONSE_HEADERS: {{ int64 $c.maxResponseHeaders | toString | quote }}
+IDEMPOTENCY_MAX_IN_FLIGHT_BYTES: {{ int64 $c.maxInFlightBytes | toString | quote }}
+IDEMPOTENCY_REQUEST_TIMEOUT: {{ $c.requestTimeout | quote }}
 IDEMPOTENCY_REPLAY_CACHE_BYTES: {{ int64 $c.replayCacheBytes | toString | quote }}
 IDEMPOTENCY_REPLAY_CACHE_MAX_AGE: {{ $c.replayCacheMaxAge | quote }}
 IDEMPOTENCY_MAX_CONNECTIONS: {{ int64 $c.maxConnections | toString | quote }}
