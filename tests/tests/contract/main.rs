@@ -7,6 +7,7 @@ mod admin;
 mod batch;
 mod complete;
 mod fail;
+mod health;
 mod lease;
 mod migrations;
 mod observability;
