@@ -462,7 +462,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn one_refused_connection_is_retried_within_the_round() {
-        let blip = 5 * I + I / 20;
+        // From the start of a round, shorter than the pause before a retry.
+        let blip = 5 * I;
         let fake = Fake::new(vec![
             (Duration::ZERO, HEALTHY),
             (blip, Db::Refuses),
@@ -472,6 +473,11 @@ mod tests {
         let rounds = fake.run(10 * I).await;
 
         assert_eq!(first(&rounds, false, Duration::ZERO), None, "{rounds:?}");
+        let (_, retried) = rounds
+            .iter()
+            .find(|(at, round)| *at - round.elapsed == blip)
+            .expect("a round began with the refusal");
+        assert!(retried.elapsed > I / 10, "{retried:?}");
     }
 
     #[tokio::test(start_paused = true)]

@@ -20,14 +20,14 @@ use tonic_health::pb::{health_check_response::ServingStatus, health_client::Heal
 use crate::outage::{health_status, wait_for_health};
 
 const INTERVAL: Duration = Duration::from_millis(300);
-/// How long a probe round may take: half the interval.
+/// How long a probe round may take: half of [`INTERVAL`].
 const PROBE_TIMEOUT: Duration = Duration::from_millis(150);
 /// Polling, and the scheduling of a loaded machine.
 const SLACK: Duration = Duration::from_millis(200);
 const POLL: Duration = Duration::from_millis(20);
-/// The promise.
-const DOWN_WITHIN: Duration = Duration::from_millis(2 * 300 + 200);
-const UP_WITHIN: Duration = Duration::from_millis(300 + 200);
+/// The promise (2 × and 1 × the interval), plus [`SLACK`].
+const DOWN_WITHIN: Duration = INTERVAL.saturating_mul(2).saturating_add(SLACK);
+const UP_WITHIN: Duration = INTERVAL.saturating_add(SLACK);
 
 fn config() -> ServerConfig {
     ServerConfig {
