@@ -21,6 +21,8 @@ pub const DB_BATCH_SIZE: &str = "idempotency_db_batch_size";
 pub const BATCH_ITEMS: &str = "idempotency_batch_items";
 pub const REPLAY_CACHE_LOOKUPS_TOTAL: &str = "idempotency_replay_cache_lookups_total";
 pub const DATABASE_UP: &str = "idempotency_database_up";
+pub const DATABASE_PROBE_DURATION_SECONDS: &str = "idempotency_database_probe_duration_seconds";
+pub const DATABASE_PROBES_TOTAL: &str = "idempotency_database_probes_total";
 pub const LEASE_TAKEOVERS_TOTAL: &str = "idempotency_lease_takeovers_total";
 pub const REPLAYS_TOTAL: &str = "idempotency_replays_total";
 pub const FINGERPRINT_MISMATCHES_TOTAL: &str = "idempotency_fingerprint_mismatches_total";
@@ -113,7 +115,19 @@ pub fn describe() {
     );
     describe_gauge!(
         DATABASE_UP,
-        "1 when the last health probe reached the database, else 0."
+        "1 when the last health probe got an answer from the database (SERVING), else 0."
+    );
+    describe_histogram!(
+        DATABASE_PROBE_DURATION_SECONDS,
+        Unit::Seconds,
+        "Time of a health probe round (connect, look up a key, close, retries included). A round \
+         still unanswered at half the health check interval counts as a failure: a p99 near \
+         that limit means health is about to flap."
+    );
+    describe_counter!(
+        DATABASE_PROBES_TOTAL,
+        "Health probe rounds by result: success, timeout (no answer: frozen, locked, overloaded) \
+         or error (every attempt failed: refused, out of connection slots, authentication)."
     );
     describe_counter!(
         LEASE_TAKEOVERS_TOTAL,

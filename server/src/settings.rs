@@ -125,7 +125,9 @@ pub struct ServeArgs {
     #[arg(long, env = "IDEMPOTENCY_MAX_IN_FLIGHT_BYTES", default_value_t = 64 * 1024 * 1024)]
     pub max_in_flight_bytes: usize,
 
-    /// How often the database is probed for the health service.
+    /// How often the database is probed for the health service: NOT_SERVING
+    /// within 2 × this of it no longer answering, SERVING within 1 × of it
+    /// answering again (a probe has half of it to answer).
     #[arg(long, env = "IDEMPOTENCY_HEALTH_CHECK_INTERVAL", default_value = "5s", value_parser = positive_duration)]
     pub health_check_interval: Duration,
     /// On SIGTERM, how long in-flight calls may take to finish.

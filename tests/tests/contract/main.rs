@@ -9,6 +9,7 @@ mod bounds;
 mod complete;
 mod connections;
 mod fail;
+mod health;
 mod lease;
 mod migrations;
 mod observability;
