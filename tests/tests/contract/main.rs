@@ -7,6 +7,8 @@ mod admin;
 mod batch;
 mod complete;
 mod fail;
+mod frozen;
+mod isolation;
 mod lease;
 mod migrations;
 mod observability;
