@@ -6,8 +6,8 @@
 //! queue while a statement runs, and the next statement takes them all. One
 //! statement per kind runs at a time, so that batches grow with the load
 //! (a statement's fixed cost, not its rows, is what a batch saves); a second
-//! worker starts another only when the running one is slow (a row lock, a
-//! slow disk), so one stuck statement does not hold up every call.
+//! worker starts another only when the running one is slow (a slow disk, a
+//! table lock), so one stuck statement does not hold up every call.
 //!
 //! A worker keeps what its statements need between them (for the store, a
 //! connection) while calls keep coming, and gives it back once it has
