@@ -95,6 +95,7 @@ enum Reply<O> {
 
 /// Queues calls for a few workers that run them in batches.
 pub struct Batcher<I, O> {
+    name: &'static str,
     queue: mpsc::Sender<Job<I, O>>,
     alone: Arc<Alone<I, O>>,
 }
@@ -214,7 +215,7 @@ impl<I: Batchable, O: Send + 'static> Batcher<I, O> {
                 settings,
             ));
         }
-        Self { queue, alone }
+        Self { name, queue, alone }
     }
 
     /// Runs `input` in the next batch, or alone when the batch cannot do it
@@ -230,7 +231,11 @@ impl<I: Batchable, O: Send + 'static> Batcher<I, O> {
             .map_err(|_| stopped())?;
         match answer.await.map_err(|_| stopped())? {
             Reply::Done(result) => result,
-            Reply::Alone => (self.alone)(input).await,
+            Reply::Alone => {
+                metrics::counter!(crate::metrics::DB_CALLS_ALONE_TOTAL, "query" => self.name)
+                    .increment(1);
+                (self.alone)(input).await
+            }
         }
     }
 }

@@ -318,6 +318,7 @@ impl Drop for Connection {
             // notices, at the latest when the statement it may still be
             // running ends.
             drop(connection.detach());
+            metrics::counter!(crate::metrics::DB_CONNECTIONS_ABANDONED_TOTAL).increment(1);
         }
     }
 }

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use idempotency_server::db::PoolSettings;
+use idempotency_server::{db::PoolSettings, startup::ServerConfig};
 use idempotency_tests::{
     TestDb, assert_error, record_id, response, server_behind_proxy_with_pool, test_config,
     unique_key,
@@ -40,7 +40,11 @@ async fn a_frozen_database_answers_unavailable_in_bounded_time_and_serves_again_
         acquire_timeout: Duration::from_secs(1),
         ..PoolSettings::default()
     };
-    let (server, proxy) = server_behind_proxy_with_pool(&db, test_config(), &settings).await;
+    let config = ServerConfig {
+        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+        ..test_config()
+    };
+    let (server, proxy) = server_behind_proxy_with_pool(&db, config, &settings).await;
     let mut client = server.client.clone();
     // Connections open, kept by the batch workers and idle in the pool.
     let mut held = Vec::new();
@@ -75,6 +79,14 @@ async fn a_frozen_database_answers_unavailable_in_bounded_time_and_serves_again_
         let read = within_bound("Get", get(&mut client, &done)).await;
         assert_error(read, Code::Unavailable, "DATABASE_UNAVAILABLE");
     }
+
+    // The connections left in the middle of a statement were closed.
+    wait_for_metric(
+        &server,
+        "idempotency_db_connections_abandoned_total",
+        |closed| closed >= 1.0,
+    )
+    .await;
 
     proxy.thaw();
 

@@ -5,7 +5,10 @@
 use std::time::Duration;
 
 use idempotency_client::pb::{self, acquire_response::Outcome};
-use idempotency_server::db::{self, PoolSettings};
+use idempotency_server::{
+    db::{self, PoolSettings},
+    startup::ServerConfig,
+};
 use idempotency_tests::{
     TestDb, TestServer, assert_error, hold_write, lock_record, record_id, response, test_config,
     unique_key,
@@ -74,7 +77,11 @@ async fn server_with_short_statement_timeout(db: &TestDb) -> TestServer {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_complete_with_a_locked_row_finishes_the_other_thirty_while_the_lock_is_held() {
     let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
+    let config = ServerConfig {
+        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+        ..test_config()
+    };
+    let server = TestServer::start_config(&db, config).await;
     let mut client = server.client.clone();
     let held = acquired(&mut client, "iso-batch", 31).await;
     let (locked, _) = held[17].clone();
@@ -105,6 +112,12 @@ async fn a_batch_complete_with_a_locked_row_finishes_the_other_thirty_while_the_
         assert!(result.is_ok(), "{}: {result:?}", id.key);
     }
     wait_for_state(&db, std::slice::from_ref(&locked), "completed").await;
+    wait_for_metric(
+        &server,
+        r#"idempotency_db_calls_alone_total{query="finish"}"#,
+        |alone| alone >= 1.0,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
