@@ -91,6 +91,20 @@ pub fn pool(options: PgConnectOptions, settings: &PoolSettings) -> PgPool {
         .connect_lazy_with(options)
 }
 
+/// The `statement_timeout` that [`pool`] gave `options` (the last one set
+/// wins, as in Postgres), so that the store can bound each statement on its
+/// own side too: Postgres' timeout never fires when the database stops
+/// answering altogether. `None` when none is set or it is not in the
+/// milliseconds [`pool`] writes.
+pub fn statement_timeout(options: &PgConnectOptions) -> Option<Duration> {
+    let value = options
+        .get_options()?
+        .rsplit("-c ")
+        .find_map(|option| option.trim().strip_prefix("statement_timeout="))?;
+    let millis = value.strip_suffix("ms")?.parse().ok()?;
+    Some(Duration::from_millis(millis))
+}
+
 pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
     MIGRATOR.run(pool).await
 }
@@ -116,6 +130,26 @@ mod tests {
             .map(|migration| (migration.version, migration.description.as_ref()))
             .collect();
         assert_eq!(&here[..SHIPPED.len().min(here.len())], SHIPPED);
+    }
+
+    #[tokio::test]
+    async fn the_statement_timeout_is_read_back_from_the_pool() {
+        let settings = PoolSettings {
+            statement_timeout: Duration::from_millis(1500),
+            ..PoolSettings::default()
+        };
+        let options: PgConnectOptions = "postgres://u@localhost/db".parse().unwrap();
+        let pool = pool(options.clone(), &settings);
+
+        assert_eq!(
+            statement_timeout(&pool.connect_options()),
+            Some(Duration::from_millis(1500))
+        );
+        assert_eq!(statement_timeout(&options), None);
+        let later = options
+            .options([("statement_timeout", "1ms")])
+            .options([("statement_timeout", "250ms"), ("jit", "off")]);
+        assert_eq!(statement_timeout(&later), Some(Duration::from_millis(250)));
     }
 
     #[tokio::test]

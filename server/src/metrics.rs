@@ -18,6 +18,8 @@ pub const DB_POOL_CONNECTIONS: &str = "idempotency_db_pool_connections";
 pub const DB_POOL_MAX_CONNECTIONS: &str = "idempotency_db_pool_max_connections";
 pub const DB_POOL_WAIT_SECONDS: &str = "idempotency_db_pool_wait_seconds";
 pub const DB_BATCH_SIZE: &str = "idempotency_db_batch_size";
+pub const DB_CALLS_ALONE_TOTAL: &str = "idempotency_db_calls_alone_total";
+pub const DB_CONNECTIONS_ABANDONED_TOTAL: &str = "idempotency_db_connections_abandoned_total";
 pub const BATCH_ITEMS: &str = "idempotency_batch_items";
 pub const REPLAY_CACHE_LOOKUPS_TOTAL: &str = "idempotency_replay_cache_lookups_total";
 pub const DATABASE_UP: &str = "idempotency_database_up";
@@ -112,6 +114,17 @@ pub fn describe() {
     describe_histogram!(
         DB_BATCH_SIZE,
         "Calls sharing one statement (group commit), by query."
+    );
+    describe_counter!(
+        DB_CALLS_ALONE_TOTAL,
+        "Calls a shared statement handed back to run alone, by query: their row was held by \
+         another session, or the statement failed for its rows' sake (lock timeout, \
+         serialization failure, deadlock)."
+    );
+    describe_counter!(
+        DB_CONNECTIONS_ABANDONED_TOTAL,
+        "Database connections closed because a statement on them did not end: no answer within \
+         the statement timeout plus a second (a frozen database), or its caller went away."
     );
     describe_gauge!(
         DATABASE_UP,

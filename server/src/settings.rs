@@ -155,8 +155,9 @@ pub struct ServeArgs {
     pub batch_workers: usize,
     /// How long a statement runs before a second one may start beside it.
     /// Calls queue meanwhile and share the next statement, which is what
-    /// makes batches large; a stuck statement (a row lock) holds up the
-    /// others no longer than this.
+    /// makes batches large; a slow statement (a slow disk, a table lock)
+    /// holds up the others no longer than this. (A row another session
+    /// holds never stalls a shared statement: its call runs alone.)
     #[arg(long, env = "IDEMPOTENCY_BATCH_OVERLAP_AFTER", default_value = "20ms", value_parser = humantime::parse_duration)]
     pub batch_overlap_after: Duration,
     /// Most calls in one statement when batching.
@@ -501,7 +502,10 @@ pub struct DatabaseArgs {
     /// How long a call waits for a free connection before it is answered UNAVAILABLE.
     #[arg(long, env = "IDEMPOTENCY_DB_ACQUIRE_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
     pub db_acquire_timeout: Duration,
-    /// Longest a single statement may run (Postgres statement_timeout).
+    /// Longest a single statement may run (Postgres statement_timeout). The
+    /// server waits this plus 1 s for a statement's answer, then answers
+    /// UNAVAILABLE and closes the connection (a frozen database never times
+    /// a statement out itself).
     #[arg(long, env = "IDEMPOTENCY_STATEMENT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
     pub statement_timeout: Duration,
 }

@@ -113,6 +113,16 @@ pub async fn server_behind_proxy_with(
     db: &TestDb,
     config: idempotency_server::startup::ServerConfig,
 ) -> (TestServer, TcpProxy) {
+    server_behind_proxy_with_pool(db, config, &Default::default()).await
+}
+
+/// [`server_behind_proxy_with`], with pool settings of the test's own too
+/// (a short statement timeout, say).
+pub async fn server_behind_proxy_with_pool(
+    db: &TestDb,
+    config: idempotency_server::startup::ServerConfig,
+    pool_settings: &idempotency_server::db::PoolSettings,
+) -> (TestServer, TcpProxy) {
     let options = db.connect_options();
     let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
         .await
@@ -120,7 +130,8 @@ pub async fn server_behind_proxy_with(
         .next()
         .unwrap();
     let proxy = TcpProxy::start(upstream).await;
-    let pool = server_pool(options.host("127.0.0.1").port(proxy.addr.port()));
+    let options = options.host("127.0.0.1").port(proxy.addr.port());
+    let pool = idempotency_server::db::pool(options, pool_settings);
     (TestServer::start_with(config, pool).await, proxy)
 }
 
@@ -134,6 +145,18 @@ pub async fn lock_record(db: &TestDb, key: &str) -> sqlx::Transaction<'static, s
         .await
         .unwrap();
     blocker
+}
+
+/// A test transaction's uncommitted write of `key`'s row: an insert of that
+/// key waits for it to end (a row lock alone would not make it wait).
+pub async fn hold_write(db: &TestDb, key: &str) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut writer = db.pool.begin().await.unwrap();
+    sqlx::query("UPDATE idempotency_records SET fencing_token = fencing_token WHERE key = $1")
+        .bind(key)
+        .execute(&mut *writer)
+        .await
+        .unwrap();
+    writer
 }
 
 /// Waits until a statement in `db` waits on a row lock.

@@ -16,7 +16,9 @@ pub use records::{AcquireAttempt, AcquireInput, FinishInput};
 
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
-use sqlx::{PgPool, Postgres, pool::PoolConnection, postgres::types::PgInterval, types::Json};
+use sqlx::{
+    PgConnection, PgPool, Postgres, pool::PoolConnection, postgres::types::PgInterval, types::Json,
+};
 
 use crate::{
     domain::{FencingToken, Fingerprint, RecordId, RecordState, StoredResponse, Timestamp},
@@ -27,7 +29,8 @@ use crate::{
 #[derive(Debug, thiserror::Error, Clone)]
 pub enum StoreError {
     /// The database is unreachable, overloaded or restarting: retrying later may succeed.
-    /// (Shared: one failed batch statement fails every call in it.)
+    /// (Shared: one failed batch statement fails every call in it, unless
+    /// the failure [concerns its rows](Self::concerns_rows).)
     #[error("database unavailable")]
     Unavailable(#[source] Arc<sqlx::Error>),
     /// Anything else: a bug or a broken schema.
@@ -45,6 +48,33 @@ impl From<sqlx::Error> for StoreError {
         } else {
             Self::Internal(Arc::new(error))
         }
+    }
+}
+
+impl StoreError {
+    /// The statement failed for its rows' sake, not the database's: a row
+    /// lock it waited for too long (55P03), a serialization failure
+    /// (40001) or a deadlock (40P01). Another statement over other rows
+    /// would have succeeded, so a batch that fails so is run again call by
+    /// call (see [`batch`]).
+    pub fn concerns_rows(&self) -> bool {
+        let Self::Unavailable(error) = self else {
+            return false;
+        };
+        let sqlx::Error::Database(error) = &**error else {
+            return false;
+        };
+        error
+            .code()
+            .is_some_and(|code| matches!(&*code, "55P03" | "40001" | "40P01"))
+    }
+
+    /// No answer from the database within `bound`.
+    fn timed_out(bound: Duration) -> Self {
+        Self::Unavailable(Arc::new(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("the database did not answer within {bound:?}"),
+        ))))
     }
 }
 
@@ -183,6 +213,9 @@ impl RecordRow {
 #[derive(Clone)]
 pub struct Store {
     pool: PgPool,
+    /// Longest wait for a statement's answer: the pool's statement timeout
+    /// plus [`STATEMENT_MARGIN`].
+    bound: Duration,
     /// Group commit for Acquire and Complete/Fail; `None`: one statement per call.
     batchers: Option<Arc<records::Batchers>>,
 }
@@ -214,18 +247,94 @@ pub(crate) fn token(token: FencingToken) -> i64 {
     i64::try_from(token).unwrap_or(i64::MAX)
 }
 
-/// A connection from the pool, timing the wait for it.
-async fn connection(pool: &PgPool) -> StoreResult<PoolConnection<Postgres>> {
+/// How long the store waits for a statement's answer beyond Postgres' own
+/// `statement_timeout`: the commit, which that timeout does not cover, and
+/// the round trip.
+pub const STATEMENT_MARGIN: Duration = Duration::from_secs(1);
+
+/// A connection from the pool, timing the wait for it. The wait is bounded
+/// by the pool's `acquire_timeout`, a new connection's handshake included,
+/// so a database that accepts connections but never answers still gives
+/// `PoolTimedOut` in time.
+async fn connection(pool: &PgPool) -> StoreResult<Connection> {
     let started = std::time::Instant::now();
     let connection = pool.acquire().await;
     metrics::histogram!(DB_POOL_WAIT_SECONDS).record(started.elapsed().as_secs_f64());
-    Ok(connection?)
+    Ok(Connection {
+        inner: Some(connection?),
+        in_statement: false,
+    })
+}
+
+/// A pool connection whose statements are bounded on the client side, and
+/// that is closed instead of going back to the pool when a statement on it
+/// did not end: cut short by the bound, or by its caller going away (a
+/// dropped future). Postgres' `statement_timeout` never fires when the
+/// database stops answering altogether (a frozen host, no TCP reset), and
+/// sqlx gives a dropped connection back to the pool only after a ping that
+/// waits for the unfinished statement's answer, holding a pool slot for as
+/// long as the database is frozen, and then hands it to the next caller.
+pub(crate) struct Connection {
+    /// `None` only once dropped.
+    inner: Option<PoolConnection<Postgres>>,
+    /// A statement was sent and its answer not yet read in full.
+    in_statement: bool,
+}
+
+impl Connection {
+    /// Runs `statement` on this connection, waiting at most `bound` for it.
+    pub(crate) async fn run<'c, T, F>(
+        &'c mut self,
+        bound: Duration,
+        statement: impl FnOnce(&'c mut PgConnection) -> F,
+    ) -> StoreResult<T>
+    where
+        F: Future<Output = Result<T, sqlx::Error>> + 'c,
+    {
+        let Self {
+            inner,
+            in_statement,
+        } = self;
+        let connection = inner.as_mut().expect("a connection until dropped");
+        *in_statement = true;
+        let answer = tokio::time::timeout(bound, statement(connection)).await;
+        // Timed out: `in_statement` stays set, so the connection is closed
+        // when dropped.
+        let answer = answer.map_err(|_| StoreError::timed_out(bound))?;
+        *in_statement = false;
+        Ok(answer?)
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        if self.in_statement
+            && let Some(connection) = self.inner.take()
+        {
+            // Detached (the pool may open another in its place) and dropped:
+            // the socket closes at once. `close_on_drop` would say goodbye
+            // first, in a task holding the pool slot for up to 5 s when the
+            // database does not read. Postgres ends the session when it
+            // notices, at the latest when the statement it may still be
+            // running ends.
+            drop(connection.detach());
+            metrics::counter!(crate::metrics::DB_CONNECTIONS_ABANDONED_TOTAL).increment(1);
+        }
+    }
+}
+
+/// How long to wait for a statement's answer on `pool`'s connections.
+fn statement_bound(pool: &PgPool) -> Duration {
+    crate::db::statement_timeout(&pool.connect_options())
+        .unwrap_or(crate::db::PoolSettings::default().statement_timeout)
+        + STATEMENT_MARGIN
 }
 
 impl Store {
     /// One statement per call.
     pub fn new(pool: PgPool) -> Self {
         Self {
+            bound: statement_bound(&pool),
             pool,
             batchers: None,
         }
@@ -234,8 +343,14 @@ impl Store {
     /// Concurrent Acquires, and concurrent Completes and terminal Fails,
     /// share statements (see [`batch`]).
     pub fn with_batching(pool: PgPool, settings: batch::BatchSettings) -> Self {
+        let bound = statement_bound(&pool);
         Self {
-            batchers: Some(Arc::new(records::Batchers::spawn(pool.clone(), settings))),
+            batchers: Some(Arc::new(records::Batchers::spawn(
+                pool.clone(),
+                bound,
+                settings,
+            ))),
+            bound,
             pool,
         }
     }
@@ -244,7 +359,7 @@ impl Store {
         &self.pool
     }
 
-    async fn connection(&self) -> StoreResult<PoolConnection<Postgres>> {
+    async fn connection(&self) -> StoreResult<Connection> {
         connection(&self.pool).await
     }
 
@@ -256,15 +371,15 @@ impl Store {
             FROM idempotency_records
             WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4";
         let _timer = QueryTimer::start("read");
-        let mut connection = self.connection().await?;
-        let row = sqlx::query_as::<_, RecordRow>(SQL)
+        let query = sqlx::query_as::<_, RecordRow>(SQL)
             .bind(id.namespace())
             .bind(id.operation())
             .bind(id.subject())
-            .bind(id.key())
-            .fetch_optional(&mut *connection)
-            .await?;
-        Ok(row)
+            .bind(id.key());
+        let mut connection = self.connection().await?;
+        connection
+            .run(self.bound, |connection| query.fetch_optional(connection))
+            .await
     }
 
     /// Gives the key back so the next Acquire takes it over. `false`: no live
@@ -276,14 +391,15 @@ impl Store {
             WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
               AND fencing_token = $5 AND state = 'in_progress' AND expires_at > now()";
         let _timer = QueryTimer::start("release");
-        let mut connection = self.connection().await?;
-        let result = sqlx::query(SQL)
+        let query = sqlx::query(SQL)
             .bind(id.namespace())
             .bind(id.operation())
             .bind(id.subject())
             .bind(id.key())
-            .bind(token(fencing_token))
-            .execute(&mut *connection)
+            .bind(token(fencing_token));
+        let mut connection = self.connection().await?;
+        let result = connection
+            .run(self.bound, |connection| query.execute(connection))
             .await?;
         Ok(result.rows_affected() == 1)
     }
@@ -304,16 +420,16 @@ impl Store {
               AND fencing_token = $5 AND state = 'in_progress' AND expires_at > now()
             RETURNING lease_expires_at, expires_at";
         let _timer = QueryTimer::start("renew");
-        let mut connection = self.connection().await?;
-        let row = sqlx::query_as::<_, (Timestamp, Timestamp)>(SQL)
+        let query = sqlx::query_as::<_, (Timestamp, Timestamp)>(SQL)
             .bind(id.namespace())
             .bind(id.operation())
             .bind(id.subject())
             .bind(id.key())
             .bind(token(fencing_token))
-            .bind(interval(lease))
-            .fetch_optional(&mut *connection)
-            .await?;
-        Ok(row)
+            .bind(interval(lease));
+        let mut connection = self.connection().await?;
+        connection
+            .run(self.bound, |connection| query.fetch_optional(connection))
+            .await
     }
 }

@@ -6,15 +6,14 @@ use std::{sync::Arc, time::Duration};
 
 use sqlx::{
     FromRow, PgPool, Postgres,
-    pool::PoolConnection,
     postgres::{PgArguments, PgRow, types::PgInterval},
     query::QueryAs,
     types::Json,
 };
 
 use super::{
-    AcquiredRow, RecordRow, Store, StoreResult,
-    batch::{BatchSettings, Batchable, Batcher},
+    AcquiredRow, Connection, RecordRow, Store, StoreResult,
+    batch::{BatchSettings, Batchable, Batcher, Part},
     connection, interval, status, token,
 };
 use crate::{
@@ -78,18 +77,69 @@ impl BatchSettings {
     }
 }
 
+/// How long a batch statement's rows may wait for a row another session
+/// holds, before the statement fails (lock timeout, 55P03) and its calls
+/// run again alone. Long enough for the usual wait, another statement's
+/// commit of the same key; short enough that the other calls of the batch
+/// are not held up noticeably.
+pub const BATCH_ROW_WAIT: Duration = Duration::from_millis(100);
+
+/// Whether a statement may wait for rows other sessions hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RowWait {
+    /// A batch worker's statement: it never waits long for one call's row.
+    Brief,
+    /// A call alone, on a connection of its own: it waits up to the
+    /// statement timeout, as any statement.
+    Full,
+}
+
 impl Batchers {
-    pub(super) fn spawn(pool: PgPool, settings: BatchSettings) -> Self {
-        let acquire_pool = pool.clone();
+    pub(super) fn spawn(pool: PgPool, bound: Duration, settings: BatchSettings) -> Self {
+        let (acquire_pool, acquire_alone_pool, finish_alone_pool) =
+            (pool.clone(), pool.clone(), pool.clone());
         Self {
-            acquire: Batcher::spawn("acquire", settings, move |kept, inputs| {
-                let pool = acquire_pool.clone();
-                async move { insert_or_read(&pool, kept, &inputs).await }
-            }),
-            finish: Batcher::spawn("finish", settings, move |kept, inputs| {
-                let pool = pool.clone();
-                async move { finish(&pool, kept, &inputs).await }
-            }),
+            acquire: Batcher::spawn(
+                "acquire",
+                settings,
+                move |kept, inputs| {
+                    let pool = acquire_pool.clone();
+                    async move {
+                        let (kept, attempts) =
+                            insert_or_read(&pool, bound, kept, &inputs, RowWait::Brief).await;
+                        (
+                            kept,
+                            attempts.map(|a| a.into_iter().map(Part::Done).collect()),
+                        )
+                    }
+                },
+                move |input| {
+                    let pool = acquire_alone_pool.clone();
+                    async move {
+                        let inputs = [input];
+                        single(
+                            insert_or_read(&pool, bound, None, &inputs, RowWait::Full)
+                                .await
+                                .1,
+                        )
+                    }
+                },
+            ),
+            finish: Batcher::spawn(
+                "finish",
+                settings,
+                move |kept, inputs| {
+                    let pool = pool.clone();
+                    async move { finish(&pool, bound, kept, &inputs, RowWait::Brief).await }
+                },
+                move |input| {
+                    let pool = finish_alone_pool.clone();
+                    async move {
+                        let inputs = [input];
+                        single_part(finish(&pool, bound, None, &inputs, RowWait::Full).await.1)
+                    }
+                },
+            ),
         }
     }
 }
@@ -106,8 +156,10 @@ impl Store {
             None => single(
                 Box::pin(insert_or_read(
                     &self.pool,
+                    self.bound,
                     None,
                     std::slice::from_ref(&input),
+                    RowWait::Full,
                 ))
                 .await
                 .1,
@@ -120,10 +172,16 @@ impl Store {
     pub async fn finish(&self, input: Arc<FinishInput>) -> StoreResult<Option<Timestamp>> {
         match &self.batchers {
             Some(batchers) => batchers.finish.run(input).await,
-            None => single(
-                Box::pin(finish(&self.pool, None, std::slice::from_ref(&input)))
-                    .await
-                    .1,
+            None => single_part(
+                Box::pin(finish(
+                    &self.pool,
+                    self.bound,
+                    None,
+                    std::slice::from_ref(&input),
+                    RowWait::Full,
+                ))
+                .await
+                .1,
             ),
         }
     }
@@ -160,18 +218,18 @@ impl Store {
                        AND (r.fingerprint = $5 OR r.fingerprint = '' OR $5 = '')))
             RETURNING fencing_token, lease_expires_at, expires_at, previous_state";
         let _timer = QueryTimer::start("take_over");
-        let mut connection = self.connection().await?;
-        let row = sqlx::query_as::<_, AcquiredRow>(SQL)
+        let query = sqlx::query_as::<_, AcquiredRow>(SQL)
             .bind(input.id.namespace())
             .bind(input.id.operation())
             .bind(input.id.subject())
             .bind(input.id.key())
             .bind(input.fingerprint.as_bytes())
             .bind(interval(input.ttl))
-            .bind(interval(input.lease))
-            .fetch_optional(&mut *connection)
-            .await?;
-        Ok(row)
+            .bind(interval(input.lease));
+        let mut connection = self.connection().await?;
+        connection
+            .run(self.bound, |connection| query.fetch_optional(connection))
+            .await
     }
 }
 
@@ -179,6 +237,17 @@ fn single<T>(result: StoreResult<Vec<T>>) -> StoreResult<T> {
     result?
         .pop()
         .ok_or_else(|| super::StoreError::Corrupt("a statement answered no result".into()))
+}
+
+/// The one answer of a statement that waits for its rows, and so passes
+/// none over.
+fn single_part<T>(result: StoreResult<Vec<Part<T>>>) -> StoreResult<T> {
+    match single(result)? {
+        Part::Done(output) => Ok(output),
+        Part::Alone => Err(super::StoreError::Corrupt(
+            "a waiting statement passed its row over".into(),
+        )),
+    }
 }
 
 /// Positions of `records` in key order. Every statement touches its rows in
@@ -206,14 +275,17 @@ struct AttemptRow {
 
 /// A batch worker's connection, kept between its statements: giving one back
 /// to the pool costs a round trip (sqlx checks it with a Sync) and a task.
-type KeptConnection = Option<PoolConnection<Postgres>>;
+type KeptConnection = Option<Connection>;
 
-/// Runs `query` on the kept connection, or on one from the pool, and hands
-/// the connection back to be kept. After an error it goes back to the pool
-/// instead, which checks it before anyone uses it again. Once the pool is
-/// closed (shutdown), a kept connection is closed too, not used.
+/// Runs `query` on the kept connection, or on one from the pool, within
+/// `bound`, and hands the connection back to be kept. After an error it goes
+/// back to the pool instead, which checks it before anyone uses it again; a
+/// statement that did not end within `bound` closes it (see
+/// [`Connection`]). Once the pool is closed (shutdown), a kept connection is
+/// closed too, not used.
 async fn fetch_all_on_kept<'q, O>(
     pool: &PgPool,
+    bound: Duration,
     kept: KeptConnection,
     query: QueryAs<'q, Postgres, O, PgArguments>,
 ) -> (KeptConnection, StoreResult<Vec<O>>)
@@ -228,26 +300,44 @@ where
             Err(error) => return (None, Err(error)),
         },
     };
-    match query.fetch_all(&mut *connection).await {
+    match connection
+        .run(bound, |connection| query.fetch_all(connection))
+        .await
+    {
         Ok(rows) => (Some(connection), Ok(rows)),
-        Err(error) => (None, Err(error.into())),
+        Err(error) => (None, Err(error)),
     }
 }
 
 async fn insert_or_read(
     pool: &PgPool,
+    bound: Duration,
     kept: KeptConnection,
     inputs: &[Arc<AcquireInput>],
+    wait: RowWait,
 ) -> (KeptConnection, StoreResult<Vec<AcquireAttempt>>) {
     // The insert skips existing keys without locking or writing them; the
     // second branch reads those with the statement's snapshot, which cannot
     // see this statement's own inserts (and so never reads a key twice). A key
     // committed by someone else after the snapshot is neither: `Raced`.
+    //
+    // The insert does not wait for a row another session merely locks (FOR
+    // UPDATE, FOR KEY SHARE), but it does wait for another transaction that
+    // inserted, updated or deleted a key it inserts (to know whether the key
+    // will exist), until that one ends (tried on Postgres 15). In a batch
+    // that wait is cut short: `$9` sets `lock_timeout` for this statement's
+    // transaction, evaluated with the first input row, before any insert.
+    // Locks on the table itself are taken before execution, so a table
+    // lock (a migration, an operator's LOCK) still holds the whole
+    // statement up to the statement timeout: that one is no single call's.
+    // `$9` NULL keeps the session's setting.
     const SQL: &str = "
         WITH input AS (
             SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[],
                                  $6::interval[], $7::interval[], $8::int8[])
                 WITH ORDINALITY AS v(namespace, operation, subject, key, fingerprint, ttl, lease, ord, pos)
+            WHERE set_config('lock_timeout', coalesce($9, current_setting('lock_timeout')), true)
+                  IS NOT NULL
         ), inserted AS (
             INSERT INTO idempotency_records
                 (namespace, operation, subject, key, state, fingerprint, fencing_token,
@@ -295,8 +385,12 @@ async fn insert_or_read(
         .bind(fingerprints)
         .bind(ttls)
         .bind(leases)
-        .bind(positions);
-    let (kept, rows) = fetch_all_on_kept(pool, kept, query).await;
+        .bind(positions)
+        .bind(match wait {
+            RowWait::Brief => Some(format!("{}ms", BATCH_ROW_WAIT.as_millis())),
+            RowWait::Full => None,
+        });
+    let (kept, rows) = fetch_all_on_kept(pool, bound, kept, query).await;
     (kept, rows.map(|rows| attempts(rows, inputs.len())))
 }
 
@@ -326,16 +420,20 @@ fn attempts(rows: Vec<AttemptRow>, inputs: usize) -> Vec<AcquireAttempt> {
 
 async fn finish(
     pool: &PgPool,
+    bound: Duration,
     kept: KeptConnection,
     inputs: &[Arc<FinishInput>],
-) -> (KeptConnection, StoreResult<Vec<Option<Timestamp>>>) {
+    wait: RowWait,
+) -> (KeptConnection, StoreResult<Vec<Part<Option<Timestamp>>>>) {
     // The expiry check is written `(...) IS TRUE` so that no index can serve
     // it. On a table too young to have statistics, the planner guesses that
     // `expires_at > now()` keeps a third of the rows, and a plan reading the
     // whole table through the `expires_at` index then looks cheaper than a
     // key lookup per row. A connection keeps its generic plan until the next
     // ANALYZE, so every Complete scanned the table meanwhile.
-    const SQL: &str = "
+    //
+    // Alone, the statement waits for a row another session holds.
+    const WAITING: &str = "
         UPDATE idempotency_records AS r
         SET state = v.state, lease_expires_at = NULL, completed_at = now(),
             response_status = v.status, response_body = v.body, response_headers = v.headers
@@ -346,7 +444,47 @@ async fn finish(
           AND r.subject = v.subject AND r.key = v.key
           AND r.fencing_token = v.token AND r.state = 'in_progress'
           AND (r.expires_at > now()) IS TRUE
-        RETURNING v.ord, r.completed_at";
+        RETURNING v.ord, r.completed_at, false AS passed";
+    // In a batch, it locks the rows it will finish first, skipping those
+    // another session holds (a row lock, or another transaction's
+    // uncommitted write), and finishes the rows it locked. A row that
+    // matched in the statement's snapshot but was not finished is passed
+    // over: held by someone else, or changed since the snapshot. Its caller
+    // runs it alone, waiting. Locking writes a small WAL record per row,
+    // on the pages the update then writes anyway.
+    const SKIPPING: &str = "
+        WITH v AS (
+            SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[],
+                                 $6::text[], $7::int4[], $8::bytea[], $9::jsonb[], $10::int8[])
+                AS v(namespace, operation, subject, key, token, state, status, body, headers, ord)
+        ), locked AS MATERIALIZED (
+            SELECT v.ord FROM v JOIN idempotency_records AS r
+                ON r.namespace = v.namespace AND r.operation = v.operation
+               AND r.subject = v.subject AND r.key = v.key
+            WHERE r.fencing_token = v.token AND r.state = 'in_progress'
+              AND (r.expires_at > now()) IS TRUE
+            FOR UPDATE OF r SKIP LOCKED
+        ), finished AS (
+            UPDATE idempotency_records AS r
+            SET state = v.state, lease_expires_at = NULL, completed_at = now(),
+                response_status = v.status, response_body = v.body,
+                response_headers = v.headers
+            FROM v JOIN locked USING (ord)
+            WHERE r.namespace = v.namespace AND r.operation = v.operation
+              AND r.subject = v.subject AND r.key = v.key
+              AND r.fencing_token = v.token AND r.state = 'in_progress'
+              AND (r.expires_at > now()) IS TRUE
+            RETURNING v.ord, r.completed_at
+        )
+        SELECT ord, completed_at, false AS passed FROM finished
+        UNION ALL
+        SELECT v.ord, NULL, true FROM v
+        WHERE NOT EXISTS (SELECT 1 FROM finished AS f WHERE f.ord = v.ord)
+          AND EXISTS (SELECT 1 FROM idempotency_records AS r
+                      WHERE r.namespace = v.namespace AND r.operation = v.operation
+                        AND r.subject = v.subject AND r.key = v.key
+                        AND r.fencing_token = v.token AND r.state = 'in_progress'
+                        AND (r.expires_at > now()) IS TRUE)";
     let order = key_order(inputs.iter().map(|input| &input.id));
     let column = |part: fn(&FinishInput) -> &str| -> Vec<&str> {
         order.iter().map(|&i| part(&inputs[i])).collect()
@@ -368,7 +506,11 @@ async fn finish(
     let positions: Vec<i64> = order.iter().map(|&i| i as i64).collect();
 
     let _timer = QueryTimer::start("finish");
-    let query = sqlx::query_as::<_, (i64, Timestamp)>(SQL)
+    let sql = match wait {
+        RowWait::Brief => SKIPPING,
+        RowWait::Full => WAITING,
+    };
+    let query = sqlx::query_as::<_, (i64, Option<Timestamp>, bool)>(sql)
         .bind(column(|input| input.id.namespace()))
         .bind(column(|input| input.id.operation()))
         .bind(column(|input| input.id.subject()))
@@ -379,15 +521,25 @@ async fn finish(
         .bind(bodies)
         .bind(headers)
         .bind(positions);
-    let (kept, rows) = fetch_all_on_kept(pool, kept, query).await;
-    let finished = |rows: Vec<(i64, Timestamp)>| {
-        let mut finished = vec![None; inputs.len()];
-        for (ord, completed_at) in rows {
-            if let Some(slot) = usize::try_from(ord).ok().and_then(|i| finished.get_mut(i)) {
-                *slot = Some(completed_at);
-            }
+    let (kept, rows) = fetch_all_on_kept(pool, bound, kept, query).await;
+    (kept, rows.map(|rows| finished(rows, inputs.len())))
+}
+
+/// Each input's part, from the statement's rows: finished at a time, passed
+/// over, or (no row) not finished since no live attempt holds that token.
+fn finished(
+    rows: Vec<(i64, Option<Timestamp>, bool)>,
+    inputs: usize,
+) -> Vec<Part<Option<Timestamp>>> {
+    let mut parts = vec![Part::Done(None); inputs];
+    for (ord, completed_at, passed) in rows {
+        if let Some(slot) = usize::try_from(ord).ok().and_then(|i| parts.get_mut(i)) {
+            *slot = if passed {
+                Part::Alone
+            } else {
+                Part::Done(completed_at)
+            };
         }
-        finished
-    };
-    (kept, rows.map(finished))
+    }
+    parts
 }

@@ -205,9 +205,9 @@ async fn full_batches_with_many_keys_and_duplicates_give_exactly_one_holder_per_
     );
 }
 
-/// Group commit runs one statement per kind at a time; a statement stuck on
-/// a row lock must not hold up every other call. Another starts beside it
-/// once it has run `overlap_after`.
+/// Group commit runs one statement per kind at a time; a call waiting on a
+/// row lock must not hold up every other call. The shared statement passes
+/// its row over, and the call waits alone (see `isolation.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_statement_stuck_on_a_row_lock_does_not_hold_up_other_calls() {
     let db = TestDb::new().await;
