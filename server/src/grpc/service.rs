@@ -9,6 +9,7 @@ use std::{
 };
 
 use futures_util::future::join_all;
+use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
 use super::{
@@ -155,6 +156,70 @@ impl GrpcService {
     }
 }
 
+/// An attempt a BatchAcquire item acquired: what renews its lease.
+struct Held {
+    id: Option<pb::RecordId>,
+    lease: Option<prost_types::Duration>,
+    /// Before the item ran, so no later than its lease started.
+    started: Instant,
+}
+
+impl GrpcService {
+    /// A BatchAcquire answers when its last item does, and an item whose
+    /// row another session holds runs alone and may wait up to the
+    /// statement timeout; meanwhile the leases of the items acquired at once
+    /// run down. An attempt past half its lease is renewed before the reply,
+    /// as a unary Acquire whose statement was slow is (see the engine):
+    /// answering with a lease that has passed would let a second caller
+    /// take the key over, and both would run the business logic. If it can
+    /// no longer be renewed (taken over), the item is answered UNAVAILABLE.
+    async fn keep_lease_live(
+        &self,
+        response: &mut pb::AcquireResponse,
+        held: &HashMap<u64, Held>,
+    ) -> Result<(), tonic_types::pb::Status> {
+        let Some(pb::acquire_response::Outcome::Acquired(acquired)) = &mut response.outcome else {
+            return Ok(());
+        };
+        let Some(attempt) = held.get(&acquired.fencing_token) else {
+            return Ok(());
+        };
+        // Both parsed when the item was acquired.
+        let (Ok(id), Ok(lease)) = (
+            convert::record_id(attempt.id.clone()),
+            convert::lease(attempt.lease)
+                .and_then(|lease| self.engine.limits().lease("lease", lease)),
+        ) else {
+            return Ok(());
+        };
+        if attempt.started.elapsed() < lease / 2 {
+            return Ok(());
+        }
+        match self
+            .engine
+            .renew(&id, acquired.fencing_token, Some(lease))
+            .await
+        {
+            Ok(times) => {
+                acquired.lease_expires_at = Some(convert::timestamp(times.lease_expires_at));
+                acquired.expires_at = Some(convert::timestamp(times.expires_at));
+                Ok(())
+            }
+            Err(error) => {
+                tracing::warn!(
+                    key = %id.key(),
+                    %error,
+                    "a batched Acquire's lease passed while the batch's other items ran"
+                );
+                Err(to_rpc_status(&to_status(
+                    "BatchAcquire",
+                    crate::error::Error::Contention("batch acquire"),
+                )))
+            }
+        }
+    }
+}
+
 /// What is wrong with a batch of `items`, if anything (field `requests`).
 pub(super) fn batch_size_problem(items: usize, max: usize) -> Option<String> {
     if items == 0 {
@@ -286,14 +351,41 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
     ) -> Result<Response<pb::BatchAcquireResponse>, Status> {
         let caller = caller_of(&request);
         let requests = request.into_inner().requests;
+        // Each acquired item's attempt, by token, to renew the leases that
+        // the batch's slower items kept waiting.
+        let held: std::sync::Mutex<HashMap<u64, Held>> = Default::default();
         let answers = self
             .run_batch(
                 "BatchAcquire",
                 requests,
                 |item| item.id.as_ref(),
-                |item| self.acquire_one(item, caller.as_ref()),
+                |item| {
+                    let (id, lease) = (item.id.clone(), item.lease);
+                    let started = Instant::now();
+                    let held = &held;
+                    let caller = caller.as_ref();
+                    async move {
+                        let answer = self.acquire_one(item, caller).await;
+                        if let Ok(pb::AcquireResponse {
+                            outcome: Some(pb::acquire_response::Outcome::Acquired(acquired)),
+                        }) = &answer
+                        {
+                            let attempt = Held { id, lease, started };
+                            let mut held = held.lock().expect("held attempts");
+                            held.insert(acquired.fencing_token, attempt);
+                        }
+                        answer
+                    }
+                },
             )
             .await?;
+        let held = held.into_inner().expect("held attempts");
+        let answers = join_all(answers.into_iter().map(|answer| async {
+            let mut response = answer?;
+            self.keep_lease_live(&mut response, &held).await?;
+            Ok(response)
+        }))
+        .await;
         use pb::batch_acquire_result::Result as Item;
         let results = answers
             .into_iter()

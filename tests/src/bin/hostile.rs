@@ -191,6 +191,9 @@ async fn main() {
             other => panic!("unknown case {other}"),
         };
         let codes: Vec<String> = codes.iter().map(|(k, v)| format!("\"{k}\": {v}")).collect();
-        println!("{{\"case\": \"{case}\", \"answers\": {{{}}}}}", codes.join(", "));
+        println!(
+            "{{\"case\": \"{case}\", \"answers\": {{{}}}}}",
+            codes.join(", ")
+        );
     }
 }

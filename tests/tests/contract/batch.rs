@@ -333,10 +333,9 @@ async fn concurrent_batches_over_the_same_keys_give_exactly_one_holder_per_key()
 ///
 /// Since a batch statement no longer waits for a held key (the key's call
 /// runs alone, see `isolation.rs`), `fresh` is inserted at once, and its
-/// lease now passes while the BatchAcquire handler waits for `blocked`'s
-/// answer to reply: the handler has to renew such leases before replying.
+/// lease passes while the BatchAcquire handler waits for `blocked`'s answer
+/// to reply: the handler renews such leases before replying.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "BatchAcquire replies with a lease that passed while a sibling item waited (grpc layer)"]
 async fn a_batched_acquire_that_waited_past_its_lease_is_answered_with_a_live_one() {
     let db = TestDb::new().await;
     // One statement at a time, so the calls queued behind a stuck one share
