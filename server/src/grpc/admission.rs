@@ -163,76 +163,89 @@ impl Method {
         }
     }
 
-    /// What is counted on the wire: the path of the repeated field, and its most.
-    fn counted(self, limits: &Limits) -> Option<Counted> {
+    /// What is counted on the wire, before decoding.
+    fn counted(self, limits: &Limits) -> Vec<Counted> {
         let headers = limits.max_response_headers;
-        Some(match self {
-            Self::Small(_) => return None,
-            Self::Complete => Counted::new(&[3, 3], headers, "response.headers"),
-            Self::Fail => Counted::new(&[4, 3], headers, "error_response.headers"),
-            Self::BatchAcquire => Counted::new(&[1], limits.max_batch_items, "requests"),
+        let items = limits.max_batch_items;
+        match self {
+            Self::Small(_) => Vec::new(),
+            Self::Complete => vec![Counted::headers(&[3, 3], headers, "response.headers")],
+            Self::Fail => vec![Counted::headers(&[4, 3], headers, "error_response.headers")],
+            Self::BatchAcquire => vec![Counted::items(items)],
             // Each item's headers are checked as its unary call would check
             // them (failing that item alone); the total bounds the decoding.
-            Self::BatchComplete => Counted::new(
-                &[1, 3, 3],
-                limits.max_batch_items.saturating_mul(headers),
-                "requests",
-            ),
-        })
+            Self::BatchComplete => vec![
+                Counted::items(items),
+                Counted::headers(&[1, 3, 3], items.saturating_mul(headers), "requests"),
+            ],
+        }
     }
 }
 
-/// A repeated field counted before decoding.
+/// A repeated field counted before decoding, and its most.
 struct Counted {
     path: &'static [u32],
     max: usize,
     field: &'static str,
+    kind: Kind,
+}
+
+/// What a [`Counted`] field holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Items,
+    Headers,
 }
 
 impl Counted {
-    fn new(path: &'static [u32], max: usize, field: &'static str) -> Self {
-        Self { path, max, field }
+    /// A batch's items.
+    fn items(max: usize) -> Self {
+        Self {
+            path: &[1],
+            max,
+            field: "requests",
+            kind: Kind::Items,
+        }
     }
 
-    /// `Ok` when the message holds at most `max`; batch item counts also
-    /// need the item count itself checked.
-    fn check(&self, message: &[u8], limits: &Limits) -> Result<(), InvalidField> {
-        let malformed = |_| {
+    /// The headers of stored responses at `path`.
+    fn headers(path: &'static [u32], max: usize, field: &'static str) -> Self {
+        Self {
+            path,
+            max,
+            field,
+            kind: Kind::Headers,
+        }
+    }
+
+    /// The refusal's metric reason.
+    fn reason(&self) -> &'static str {
+        match self.kind {
+            Kind::Items => "too_many_items",
+            Kind::Headers => "too_many_headers",
+        }
+    }
+
+    /// Refuses the message when it holds more than `max`, in the handler's own words.
+    fn check(&self, message: &[u8]) -> Result<(), InvalidField> {
+        let count = wire::count(message, self.path).map_err(|_| {
             InvalidField::new(
                 "",
                 "is not a valid protobuf message of this method's request type",
             )
+        })?;
+        let problem = match self.kind {
+            Kind::Items => super::service::batch_size_problem(count, self.max),
+            Kind::Headers if count > self.max => Some(format!(
+                "{} {count} headers; the limit is {}",
+                if self.path.len() > 2 { "hold" } else { "has" },
+                self.max
+            )),
+            Kind::Headers => None,
         };
-        let count = wire::count(message, self.path).map_err(malformed)?;
-        if self.path.len() == 1 {
-            // The batch's items: the handler's own words.
-            return match super::service::batch_size_problem(count, self.max) {
-                Some(problem) => Err(InvalidField::new(self.field, problem)),
-                None => Ok(()),
-            };
-        }
-        if count <= self.max {
-            if self.path[0] == 1 {
-                let items = wire::count(message, &[1]).map_err(malformed)?;
-                if let Some(problem) =
-                    super::service::batch_size_problem(items, limits.max_batch_items)
-                {
-                    return Err(InvalidField::new("requests", problem));
-                }
-            }
-            return Ok(());
-        }
-        Err(InvalidField::new(
-            self.field,
-            if self.path[0] == 1 {
-                format!(
-                    "hold {count} headers in all; the server takes at most {} ({} items of {})",
-                    self.max, limits.max_batch_items, limits.max_response_headers
-                )
-            } else {
-                format!("has {count} headers; the limit is {}", self.max)
-            },
-        ))
+        problem.map_or(Ok(()), |problem| {
+            Err(InvalidField::new(self.field, problem))
+        })
     }
 }
 
@@ -358,20 +371,17 @@ async fn admit(method: Method, rules: &Rules, mut body: Body) -> Result<(Body, C
         .budget
         .try_charge(PER_CALL_BYTES + 2 * length)
         .ok_or_else(overloaded)?;
-    if let Some(counted) = method.counted(&rules.limits)
-        && read.compression_flag() == Some(0)
-    {
+    let counted = method.counted(&rules.limits);
+    if !counted.is_empty() && read.compression_flag() == Some(0) {
         read.reserve(PREFIX_BYTES + length);
         read.until(&mut body, PREFIX_BYTES + length).await?;
-        if let Some(message) = read.message(length)
-            && let Err(invalid) = counted.check(message, &rules.limits)
-        {
-            refused(if counted.path.len() == 1 {
-                "too_many_items"
-            } else {
-                "too_many_headers"
-            });
-            return Err(to_status(method.rpc(), invalid.into()));
+        if let Some(message) = read.message(length) {
+            for count in &counted {
+                if let Err(invalid) = count.check(message) {
+                    refused(count.reason());
+                    return Err(to_status(method.rpc(), invalid.into()));
+                }
+            }
         }
     }
     Ok((read.replay(body), charge))
@@ -658,17 +668,19 @@ mod tests {
             }),
             ..Default::default()
         };
-        let counted = Method::Complete.counted(&limits).unwrap();
-        assert!(counted.check(&complete(2).encode_to_vec(), &limits).is_ok());
-        let error = counted
-            .check(&complete(3).encode_to_vec(), &limits)
-            .unwrap_err();
+        let check = |method: Method, message: &[u8]| {
+            method
+                .counted(&limits)
+                .iter()
+                .try_for_each(|counted| counted.check(message))
+        };
+        assert!(check(Method::Complete, &complete(2).encode_to_vec()).is_ok());
+        let error = check(Method::Complete, &complete(3).encode_to_vec()).unwrap_err();
         assert_eq!(error.field, "response.headers");
         let batch = pb::BatchCompleteRequest {
             requests: vec![complete(3), complete(0)],
         };
         // 3 headers in one item, 4 allowed in all: left to the item's own check.
-        let counted = Method::BatchComplete.counted(&limits).unwrap();
-        assert!(counted.check(&batch.encode_to_vec(), &limits).is_ok());
+        assert!(check(Method::BatchComplete, &batch.encode_to_vec()).is_ok());
     }
 }
