@@ -159,17 +159,21 @@ pub async fn hold_write(db: &TestDb, key: &str) -> sqlx::Transaction<'static, sq
     writer
 }
 
+/// How many sessions of `db` wait on a lock now.
+pub async fn lock_waiters(db: &TestDb) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND wait_event_type = 'Lock'",
+    )
+    .bind(&db.name)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+}
+
 /// Waits until a statement in `db` waits on a row lock.
 pub async fn wait_for_lock_wait(db: &TestDb) {
     for _ in 0..100 {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND wait_event_type = 'Lock'",
-        )
-        .bind(&db.name)
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-        if waiting > 0 {
+        if lock_waiters(db).await > 0 {
             return;
         }
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;

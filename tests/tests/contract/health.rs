@@ -136,13 +136,7 @@ async fn an_exclusive_table_lock_turns_health_not_serving_within_two_intervals_a
     assert_stays(&mut health, ServingStatus::NotServing, 3 * INTERVAL).await;
     // Postgres ends each probe's statement too: probes that gave up do not
     // stay queued behind the lock, one more every round.
-    let waiting: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND wait_event_type = 'Lock'",
-    )
-    .bind(&db.name)
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
+    let waiting = idempotency_tests::lock_waiters(&db).await;
     assert!(waiting <= 2, "{waiting} probes wait on the lock");
 
     lock.rollback().await.unwrap();
