@@ -13,12 +13,12 @@ use tonic::{
 };
 
 use crate::{
-    batching::{BatchRpc, Batcher, Batching},
+    batching::{Batcher, Batching, Grpc, SendBatch},
     credentials::{Credentials, TokenSource},
     error::{Error, is_transient},
     lease::{Acquisition, Lease},
     pb,
-    transport::{Stub, Transport},
+    transport::{Stub, Transport, with_timeout},
     types::{
         AcquireRequest, Record, RecordId, RecordState, StoredResponse, duration_from_pb,
         duration_to_pb, time_from_pb,
@@ -111,8 +111,8 @@ pub struct Client {
 struct Inner {
     stub: Stub,
     options: ClientOptions,
-    acquires: Option<Arc<Batcher<pb::AcquireRequest>>>,
-    completes: Option<Arc<Batcher<pb::CompleteRequest>>>,
+    acquires: Option<Batcher<Grpc<pb::AcquireRequest>>>,
+    completes: Option<Batcher<Grpc<pb::CompleteRequest>>>,
 }
 
 impl Inner {
@@ -121,12 +121,20 @@ impl Inner {
         let stub = channel_stub.max_decoding_message_size(usize::MAX);
         let batching = options.batching.as_ref();
         Self {
-            acquires: batching.map(|b| Batcher::new(stub.clone(), b.clone(), options.timeout)),
-            completes: batching.map(|b| Batcher::new(stub.clone(), b.clone(), options.timeout)),
+            acquires: batching.map(|b| batcher(&stub, b, options.timeout)),
+            completes: batching.map(|b| batcher(&stub, b, options.timeout)),
             stub,
             options,
         }
     }
+}
+
+/// The batcher of one kind of call, sending through `stub`.
+fn batcher<R>(stub: &Stub, batching: &Batching, timeout: Duration) -> Batcher<Grpc<R>>
+where
+    Grpc<R>: SendBatch<Request = R>,
+{
+    Batcher::new(Grpc::new(stub.clone()), batching.clone(), timeout)
 }
 
 impl Client {
@@ -284,15 +292,18 @@ impl Client {
     }
 
     /// Makes a call through its batcher when batching is on, else alone.
-    async fn batched<R: BatchRpc + Send>(
+    async fn batched<R: Clone>(
         &self,
-        batcher: Option<&Arc<Batcher<R>>>,
+        batcher: Option<&Batcher<Grpc<R>>>,
         message: R,
-    ) -> Result<R::Response, Error> {
+    ) -> Result<<Grpc<R> as SendBatch>::Response, Error>
+    where
+        Grpc<R>: SendBatch<Request = R>,
+    {
         match batcher {
             Some(batcher) => self.attempts(|_, _| batcher.call(&message)).await,
             None => {
-                self.attempts(|stub, timeout| R::unary(stub, message.clone(), timeout))
+                self.attempts(|stub, timeout| Grpc::new(stub).unary(message.clone(), timeout))
                     .await
             }
         }
@@ -359,13 +370,6 @@ impl Client {
             tokio::time::sleep(pause).await;
         }
     }
-}
-
-/// A request carrying its deadline, so the server gives up when the caller does.
-pub(crate) fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T> {
-    let mut request = tonic::Request::new(message);
-    request.set_timeout(timeout);
-    request
 }
 
 /// Builds a [`Client`]: one or several endpoints (balanced), timeouts, TLS,

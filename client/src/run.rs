@@ -7,7 +7,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::{AcquireRequest, Acquisition, Client, Error, RecordId, StoredResponse};
+use crate::{AcquireRequest, Acquisition, Client, Error, Lease, RecordId, StoredResponse};
 
 /// What to do with a business error: give the key back, or store the error for replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -218,25 +218,13 @@ impl Client {
                 if error.is_unavailable() && options.on_unavailable == OnUnavailable::FailOpen =>
             {
                 note_fail_open(&request.id, &error);
-                let attempt = Attempt {
-                    fencing_token: None,
-                    lease_lost: Arc::default(),
-                };
-                return work(attempt)
-                    .await
-                    .map(Ran::Unprotected)
-                    .map_err(RunError::Business);
+                return run_unprotected(work).await;
             }
             Err(error) => return Err(RunError::Service(error)),
         };
-        let mut lease = match acquisition {
-            Acquisition::Proceed(lease) => lease,
-            Acquisition::InProgress { retry_after, .. } => {
-                return Err(RunError::InProgress { retry_after });
-            }
-            Acquisition::Replay(response) => return Ok(Ran::Replayed(response)),
-            Acquisition::Failed(response) => return Err(RunError::PreviouslyFailed(response)),
-            Acquisition::FingerprintMismatch => return Err(RunError::FingerprintMismatch),
+        let mut lease = match lease_or_answer(acquisition) {
+            Ok(lease) => lease,
+            Err(answer) => return answer,
         };
         if let Some((every, duration)) = options.keep_alive {
             lease.keep_alive(every, duration);
@@ -247,24 +235,9 @@ impl Client {
         };
         // A panic unwinds through here and drops `lease`, which releases the key.
         match work(attempt).await {
-            Ok(response) => match lease.complete(&response).await {
-                Ok(()) => Ok(Ran::Executed(response)),
-                Err(Error::LeaseLost) => Err(RunError::LeaseLost { response }),
-                Err(error) => {
-                    if error.is_refusal() {
-                        fail_unstorable(&mut lease, &error).await;
-                    }
-                    Err(RunError::NotStored { response, error })
-                }
-            },
+            Ok(response) => store_response(&mut lease, response).await,
             Err(business) => {
-                let stored = match (options.classify)(&business) {
-                    Failure::Retryable => lease.release().await,
-                    Failure::Terminal(error_response) => lease.fail(&error_response).await,
-                };
-                if let Err(error) = stored {
-                    tracing::warn!(%error, key = %request.id.key, "could not record the failure");
-                }
+                store_failure(&mut lease, options, &business).await;
                 Err(RunError::Business(business))
             }
         }
@@ -297,6 +270,65 @@ impl Client {
     }
 }
 
+/// Runs `work` without a lease (fail open).
+async fn run_unprotected<E, F, Fut>(work: F) -> Result<Ran, RunError<E>>
+where
+    F: FnOnce(Attempt) -> Fut,
+    Fut: Future<Output = Result<StoredResponse, E>>,
+{
+    let attempt = Attempt {
+        fencing_token: None,
+        lease_lost: Arc::default(),
+    };
+    work(attempt)
+        .await
+        .map(Ran::Unprotected)
+        .map_err(RunError::Business)
+}
+
+/// The lease to run the business logic with, or the answer to give without
+/// running it.
+fn lease_or_answer<E>(acquisition: Acquisition) -> Result<Lease, Result<Ran, RunError<E>>> {
+    match acquisition {
+        Acquisition::Proceed(lease) => Ok(lease),
+        Acquisition::InProgress { retry_after, .. } => {
+            Err(Err(RunError::InProgress { retry_after }))
+        }
+        Acquisition::Replay(response) => Err(Ok(Ran::Replayed(response))),
+        Acquisition::Failed(response) => Err(Err(RunError::PreviouslyFailed(response))),
+        Acquisition::FingerprintMismatch => Err(Err(RunError::FingerprintMismatch)),
+    }
+}
+
+/// Completes the lease with the business logic's response.
+async fn store_response<E>(
+    lease: &mut Lease,
+    response: StoredResponse,
+) -> Result<Ran, RunError<E>> {
+    match lease.complete(&response).await {
+        Ok(()) => Ok(Ran::Executed(response)),
+        Err(Error::LeaseLost) => Err(RunError::LeaseLost { response }),
+        Err(error) => {
+            if error.is_refusal() {
+                fail_unstorable(lease, &error).await;
+            }
+            Err(RunError::NotStored { response, error })
+        }
+    }
+}
+
+/// Releases the key, or stores the business error for replay, as `options`
+/// classify it.
+async fn store_failure<E>(lease: &mut Lease, options: &RunOptions<E>, business: &E) {
+    let stored = match (options.classify)(business) {
+        Failure::Retryable => lease.release().await,
+        Failure::Terminal(error_response) => lease.fail(&error_response).await,
+    };
+    if let Err(error) = stored {
+        tracing::warn!(%error, key = %lease.id().key, "could not record the failure");
+    }
+}
+
 /// Counts and logs a call that runs without idempotency because the service
 /// is unreachable (fail open).
 pub(crate) fn note_fail_open(id: &RecordId, error: &Error) {
@@ -313,7 +345,7 @@ pub const UNSTORABLE_RESPONSE: &str =
 
 /// Stores a terminal failure in place of a response the service refused, so
 /// that a retry after the lease passes does not run the logic again.
-async fn fail_unstorable(lease: &mut crate::Lease, refusal: &Error) {
+async fn fail_unstorable(lease: &mut Lease, refusal: &Error) {
     tracing::error!(%refusal, key = %lease.id().key,
         "the service refused the response: storing a failure so retries do not run again");
     let failure = StoredResponse::new(500, UNSTORABLE_RESPONSE);

@@ -170,19 +170,21 @@ where
     })
 }
 
+/// Records the call, then answers it as [`FakeService`] says.
 async fn answer(
     request: http::Request<Incoming>,
     peer: Option<Vec<u8>>,
     seen: Arc<Mutex<Vec<Seen>>>,
 ) -> Result<http::Response<Body>, Infallible> {
     let rpc = request.uri().path().rsplit('/').next().unwrap_or_default();
+    let rpc = rpc.to_owned();
     let authorization = request
         .headers()
         .get("authorization")
         .and_then(|value| value.to_str().ok())
         .map(str::to_owned);
     seen.lock().unwrap().push(Seen {
-        rpc: rpc.to_owned(),
+        rpc: rpc.clone(),
         scheme: request.uri().scheme_str().map(str::to_owned),
         authorization: authorization.clone(),
         peer,
@@ -190,43 +192,15 @@ async fn answer(
     if authorization.as_deref() == Some(&format!("Bearer {EXPIRED_TOKEN}")) {
         return Ok(Status::unauthenticated("the token has expired").into_http());
     }
-    Ok(match rpc {
-        "Acquire" => {
-            unary(request, |acquire: pb::AcquireRequest| {
-                forbid(&acquire)?;
-                Ok(acquired())
-            })
-            .await
-        }
-        "BatchAcquire" => {
-            unary(request, |batch: pb::BatchAcquireRequest| {
-                use pb::batch_acquire_result::Result as Item;
-                let results = batch.requests.iter().map(|acquire| match forbid(acquire) {
-                    Ok(()) => Item::Response(acquired()),
-                    Err(status) => Item::Error(
-                        <tonic_types::pb::Status as prost::Message>::decode(status.details())
-                            .unwrap(),
-                    ),
-                });
-                Ok(pb::BatchAcquireResponse {
-                    results: results
-                        .map(|result| pb::BatchAcquireResult {
-                            result: Some(result),
-                        })
-                        .collect(),
-                })
-            })
-            .await
-        }
-        "Renew" => {
-            unary(request, |_: pb::RenewRequest| {
-                Ok(pb::RenewResponse {
-                    lease_expires_at: Some(in_(Duration::from_secs(60))),
-                    expires_at: Some(in_(Duration::from_secs(86_400))),
-                })
-            })
-            .await
-        }
+    Ok(route(&rpc, request).await)
+}
+
+/// The answer to one call of `rpc`.
+async fn route(rpc: &str, request: http::Request<Incoming>) -> http::Response<Body> {
+    match rpc {
+        "Acquire" => unary(request, acquire).await,
+        "BatchAcquire" => unary(request, batch_acquire).await,
+        "Renew" => unary(request, renew).await,
         "Complete" => {
             unary(request, |_: pb::CompleteRequest| {
                 Ok(pb::CompleteResponse::default())
@@ -241,6 +215,36 @@ async fn answer(
             .await
         }
         _ => Status::not_found("no live record has this id").into_http(),
+    }
+}
+
+fn acquire(acquire: pb::AcquireRequest) -> Result<pb::AcquireResponse, Status> {
+    forbid(&acquire)?;
+    Ok(acquired())
+}
+
+/// Each item as [`acquire`] answers it.
+fn batch_acquire(batch: pb::BatchAcquireRequest) -> Result<pb::BatchAcquireResponse, Status> {
+    use pb::batch_acquire_result::Result as Item;
+    let results = batch.requests.iter().map(|acquire| match forbid(acquire) {
+        Ok(()) => Item::Response(acquired()),
+        Err(status) => Item::Error(
+            <tonic_types::pb::Status as prost::Message>::decode(status.details()).unwrap(),
+        ),
+    });
+    Ok(pb::BatchAcquireResponse {
+        results: results
+            .map(|result| pb::BatchAcquireResult {
+                result: Some(result),
+            })
+            .collect(),
+    })
+}
+
+fn renew(_: pb::RenewRequest) -> Result<pb::RenewResponse, Status> {
+    Ok(pb::RenewResponse {
+        lease_expires_at: Some(in_(Duration::from_secs(60))),
+        expires_at: Some(in_(Duration::from_secs(86_400))),
     })
 }
 

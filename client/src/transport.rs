@@ -6,6 +6,7 @@ use std::{
     future::Future,
     pin::Pin,
     task::{Context, Poll},
+    time::Duration,
 };
 
 use tonic::{
@@ -23,6 +24,13 @@ pub(crate) type Stub = IdempotencyServiceClient<InterceptedService<Transport, Cr
 
 pub(crate) fn stub(transport: Transport, credentials: Credentials) -> Stub {
     IdempotencyServiceClient::with_interceptor(transport, credentials)
+}
+
+/// A request carrying its deadline, so the server gives up when the caller does.
+pub(crate) fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.set_timeout(timeout);
+    request
 }
 
 /// A tonic channel (one endpoint, or tonic's own balancing), or with the

@@ -110,37 +110,10 @@ where
             ));
         }
     };
-
-    let (parts, request_body) = request.into_parts();
-    let bytes = match body::capture(request_body, config.max_body_bytes).await {
-        Ok(Captured::Whole(bytes)) => bytes,
-        Ok(Captured::TooLarge { .. }) => {
-            return Ok(problem(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "body-too-large",
-                &format!("the request body exceeds {} bytes", config.max_body_bytes),
-            ));
-        }
-        Err(_) => {
-            return Ok(problem(
-                StatusCode::BAD_REQUEST,
-                "unreadable-body",
-                "the request body could not be read",
-            ));
-        }
+    let (acquire, request) = match read_request(request, key, &config).await {
+        Ok(read) => read,
+        Err(problem) => return Ok(problem),
     };
-    let acquire = AcquireRequest {
-        id: RecordId {
-            namespace: config.namespace.clone(),
-            operation: operation(&parts),
-            subject: (config.subject)(&parts).unwrap_or_default(),
-            key,
-        },
-        fingerprint: request_fingerprint(&parts, &bytes, &config),
-        ttl: config.ttl,
-        lease: Some(config.lease),
-    };
-    let request = Request::from_parts(parts, ReqBody::from(bytes));
 
     // From here on the work runs in a task of its own, so that it finishes,
     // and its response is stored, even when the client goes away mid-request:
@@ -160,6 +133,48 @@ where
             "the handler was cancelled",
         )),
     }
+}
+
+/// Reads the request's body (within `max_body_bytes`) and makes the Acquire
+/// for it; hands back the request, body and all, for the handler.
+async fn read_request<ReqBody>(
+    request: Request<ReqBody>,
+    key: String,
+    config: &HttpConfig,
+) -> Result<(AcquireRequest, Request<ReqBody>), Response<ResponseBody>>
+where
+    ReqBody: Body<Data = Bytes> + From<Bytes>,
+{
+    let (parts, request_body) = request.into_parts();
+    let bytes = match body::capture(request_body, config.max_body_bytes).await {
+        Ok(Captured::Whole(bytes)) => bytes,
+        Ok(Captured::TooLarge { .. }) => {
+            return Err(problem(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body-too-large",
+                &format!("the request body exceeds {} bytes", config.max_body_bytes),
+            ));
+        }
+        Err(_) => {
+            return Err(problem(
+                StatusCode::BAD_REQUEST,
+                "unreadable-body",
+                "the request body could not be read",
+            ));
+        }
+    };
+    let acquire = AcquireRequest {
+        id: RecordId {
+            namespace: config.namespace.clone(),
+            operation: operation(&parts),
+            subject: (config.subject)(&parts).unwrap_or_default(),
+            key,
+        },
+        fingerprint: request_fingerprint(&parts, &bytes, config),
+        ttl: config.ttl,
+        lease: Some(config.lease),
+    };
+    Ok((acquire, Request::from_parts(parts, ReqBody::from(bytes))))
 }
 
 /// Acquires the key and answers: the handler's response, a replay, or a problem.
@@ -198,36 +213,41 @@ where
                 return pass_through(inner, request).await;
             }
         },
+        Err(error) => return Ok(refused(&acquire.id, error)),
+    };
+    execute(inner, request, lease, config).await
+}
+
+/// The answer when the service refused Acquire (it was reachable).
+fn refused(id: &RecordId, error: Error) -> Response<ResponseBody> {
+    match error {
         // The service refused this service's credentials, or its use of the
         // namespace: a deployment's mistake, not an outage, so never run the
         // handler unprotected, even failing open. Nothing ran and nothing
         // was stored, so the end client may retry with the same key.
-        Err(error @ (Error::Unauthenticated { .. } | Error::PermissionDenied { .. })) => {
-            tracing::error!(%error, namespace = %acquire.id.namespace,
+        error @ (Error::Unauthenticated { .. } | Error::PermissionDenied { .. }) => {
+            tracing::error!(%error, namespace = %id.namespace,
                 "the idempotency service refused this service: answering 500");
-            return Ok(problem::not_authorized());
+            problem::not_authorized()
         }
         // The scope comes from the request (e.g. a subject too long): the client's fault.
-        Err(Error::InvalidArgument {
+        Error::InvalidArgument {
             field: Some(field),
             message,
-        }) if field.starts_with("id.") => {
-            return Ok(problem(
-                StatusCode::BAD_REQUEST,
-                "invalid-idempotency-scope",
-                &message,
-            ));
-        }
-        Err(error) => {
+        } if field.starts_with("id.") => problem(
+            StatusCode::BAD_REQUEST,
+            "invalid-idempotency-scope",
+            &message,
+        ),
+        error => {
             tracing::error!(%error, "idempotency service refused Acquire");
-            return Ok(problem(
+            problem(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "idempotency-error",
                 "the idempotency service failed",
-            ));
+            )
         }
-    };
-    execute(inner, request, lease, config).await
+    }
 }
 
 /// Runs the handler holding `lease`, then stores its response or releases the key.
@@ -253,62 +273,70 @@ where
         }
     };
     let (parts, response_body) = response.into_parts();
-    match body::capture(response_body, config.max_stored_bytes).await {
-        Ok(Captured::Whole(bytes)) => {
-            if !(config.store)(parts.status) {
-                release(&mut lease).await;
-                return Ok(Response::from_parts(parts, body::full(bytes)));
+    Ok(
+        match body::capture(response_body, config.max_stored_bytes).await {
+            Ok(Captured::Whole(bytes)) => {
+                store_or_release(&mut lease, &parts, &bytes, &config).await;
+                Response::from_parts(parts, body::full(bytes))
             }
-            let stored = StoredResponse {
-                status_code: u32::from(parts.status.as_u16()),
-                body: bytes.to_vec(),
-                headers: replayable_headers(&parts.headers, &config),
-            };
-            if stored.size() > config.max_stored_bytes {
-                store_unreplayable(&mut lease, config.max_stored_bytes).await;
-            } else {
-                match lease.complete(&stored).await {
-                    Ok(()) => {}
-                    Err(Error::LeaseLost) => tracing::error!(
-                        key = %lease.id().key,
-                        "lease lost before the response was stored: the handler may have run twice"
-                    ),
-                    // The service's own limit is lower than ours, or the
-                    // message is over its transport limit.
-                    Err(error) if error.is_refusal() => {
-                        store_unreplayable(&mut lease, config.max_stored_bytes).await;
-                    }
-                    // The lease stays until it passes: releasing would run the handler again.
-                    Err(error) => {
-                        tracing::warn!(%error, key = %lease.id().key, "response not stored")
-                    }
+            Ok(Captured::TooLarge { read, rest }) => {
+                // A response that would not be stored anyway (a 5xx) releases the
+                // key whatever its size.
+                if (config.store)(parts.status) {
+                    store_unreplayable(&mut lease, config.max_stored_bytes).await;
+                } else {
+                    release(&mut lease).await;
                 }
+                Response::from_parts(parts, body::boxed(Prefixed::new(read, rest)))
             }
-            Ok(Response::from_parts(parts, body::full(bytes)))
-        }
-        Ok(Captured::TooLarge { read, rest }) => {
-            // A response that would not be stored anyway (a 5xx) releases the
-            // key whatever its size.
-            if (config.store)(parts.status) {
-                store_unreplayable(&mut lease, config.max_stored_bytes).await;
-            } else {
+            Err(error) => {
+                // Like a 5xx: the handler failed to answer, so a retry may run it again.
+                let error: BoxError = error.into();
+                tracing::warn!(%error, "the handler's response body failed: released the key");
                 release(&mut lease).await;
+                problem(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "handler-body-failed",
+                    "the response could not be produced",
+                )
             }
-            Ok(Response::from_parts(
-                parts,
-                body::boxed(Prefixed::new(read, rest)),
-            ))
+        },
+    )
+}
+
+/// Stores the handler's whole response for replay, or releases the key when
+/// `config.store` says this status is not stored.
+async fn store_or_release(
+    lease: &mut Lease,
+    parts: &http::response::Parts,
+    bytes: &Bytes,
+    config: &HttpConfig,
+) {
+    if !(config.store)(parts.status) {
+        return release(lease).await;
+    }
+    let stored = StoredResponse {
+        status_code: u32::from(parts.status.as_u16()),
+        body: bytes.to_vec(),
+        headers: replayable_headers(&parts.headers, config),
+    };
+    if stored.size() > config.max_stored_bytes {
+        return store_unreplayable(lease, config.max_stored_bytes).await;
+    }
+    match lease.complete(&stored).await {
+        Ok(()) => {}
+        Err(Error::LeaseLost) => tracing::error!(
+            key = %lease.id().key,
+            "lease lost before the response was stored: the handler may have run twice"
+        ),
+        // The service's own limit is lower than ours, or the
+        // message is over its transport limit.
+        Err(error) if error.is_refusal() => {
+            store_unreplayable(lease, config.max_stored_bytes).await;
         }
+        // The lease stays until it passes: releasing would run the handler again.
         Err(error) => {
-            // Like a 5xx: the handler failed to answer, so a retry may run it again.
-            let error: BoxError = error.into();
-            tracing::warn!(%error, "the handler's response body failed: released the key");
-            release(&mut lease).await;
-            Ok(problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "handler-body-failed",
-                "the response could not be produced",
-            ))
+            tracing::warn!(%error, key = %lease.id().key, "response not stored")
         }
     }
 }
