@@ -6,7 +6,8 @@ use crate::{domain::InvalidField, store::StoreError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// A request field is malformed or out of range; nothing was written.
+    /// A request field is malformed or out of range (found by the grpc
+    /// layer, before the engine runs); nothing was written.
     #[error(transparent)]
     InvalidArgument(#[from] InvalidField),
     /// No live record has this id.

@@ -1,12 +1,13 @@
-//! Protobuf <-> domain. Parsing names every field by its path in the request.
+//! Protobuf <-> domain. Parsing names every field by its path in the request,
+//! and applies the limits, so the engine takes requests already within them.
 
 use std::time::Duration;
 
 use super::pb;
 use crate::{
     domain::{
-        AcquireOutcome, Fingerprint, InvalidField, Record, RecordId, RecordState, StoredResponse,
-        Timestamp,
+        AcquireOutcome, Fingerprint, InvalidField, Limits, Record, RecordId, RecordState,
+        StoredResponse, Timestamp,
     },
     engine::{AcquireRequest, Failure, LeaseTimes},
 };
@@ -58,13 +59,37 @@ fn duration(
     ))
 }
 
-pub fn acquire_request(request: pb::AcquireRequest) -> Result<AcquireRequest, InvalidField> {
-    Ok(AcquireRequest {
+/// An Acquire's fields, parsed; [`Self::within`] applies the limits. Two
+/// steps, so that a call whose fields parse is counted under its namespace
+/// even when the limits refuse it.
+#[derive(Debug, Clone)]
+pub struct AcquireFields {
+    pub id: RecordId,
+    fingerprint: Fingerprint,
+    ttl: Option<Duration>,
+    lease: Option<Duration>,
+}
+
+pub fn acquire_request(request: pb::AcquireRequest) -> Result<AcquireFields, InvalidField> {
+    Ok(AcquireFields {
         id: record_id(request.id)?,
         fingerprint: Fingerprint::parse("fingerprint", request.fingerprint)?,
         ttl: duration("ttl", request.ttl)?,
         lease: duration("lease", request.lease)?,
     })
+}
+
+impl AcquireFields {
+    /// The request with the lifetime and lease to use: those given, or the
+    /// defaults, within the limits.
+    pub fn within(self, limits: &Limits) -> Result<AcquireRequest, InvalidField> {
+        Ok(AcquireRequest {
+            ttl: limits.ttl("ttl", self.ttl)?,
+            lease: limits.lease("lease", self.lease)?,
+            id: self.id,
+            fingerprint: self.fingerprint,
+        })
+    }
 }
 
 /// Tokens start at 1: 0 is the protobuf default of a field left unset. They
@@ -85,16 +110,24 @@ pub fn fencing_token(token: u64) -> Result<u64, InvalidField> {
     Ok(token)
 }
 
-pub fn lease(value: Option<prost_types::Duration>) -> Result<Option<Duration>, InvalidField> {
-    duration("lease", value)
+/// A Renew's lease: the one given, or the default, within the limits.
+pub fn lease(
+    value: Option<prost_types::Duration>,
+    limits: &Limits,
+) -> Result<Duration, InvalidField> {
+    limits.lease("lease", duration("lease", value)?)
 }
 
+/// A response to store, within the limits.
 pub fn stored_response(
     field: &str,
     response: Option<pb::StoredResponse>,
+    limits: &Limits,
 ) -> Result<StoredResponse, InvalidField> {
     let response = response.ok_or_else(|| InvalidField::new(field, "is required"))?;
-    Ok(from_pb_response(response))
+    let response = from_pb_response(response);
+    response.validate(field, limits)?;
+    Ok(response)
 }
 
 fn from_pb_response(response: pb::StoredResponse) -> StoredResponse {
@@ -105,12 +138,18 @@ fn from_pb_response(response: pb::StoredResponse) -> StoredResponse {
     }
 }
 
-pub fn failure(retryable: bool, error_response: Option<pb::StoredResponse>) -> Failure {
+/// A Fail's outcome; a terminal one's error response within the limits.
+pub fn failure(
+    retryable: bool,
+    error_response: Option<pb::StoredResponse>,
+    limits: &Limits,
+) -> Result<Failure, InvalidField> {
     if retryable {
-        Failure::Retryable
-    } else {
-        Failure::Terminal(error_response.map(from_pb_response).unwrap_or_default())
+        return Ok(Failure::Retryable);
     }
+    let response = error_response.map(from_pb_response).unwrap_or_default();
+    response.validate("error_response", limits)?;
+    Ok(Failure::Terminal(response))
 }
 
 pub fn timestamp(at: Timestamp) -> prost_types::Timestamp {
@@ -278,25 +317,18 @@ mod tests {
         if let Ok(request) = pb::AcquireRequest::decode(bytes)
             && let Ok(request) = acquire_request(request)
         {
-            let _ = limits.ttl("ttl", request.ttl);
-            let _ = limits.lease("lease", request.lease);
+            let _ = request.within(&limits);
         }
         if let Ok(request) = pb::CompleteRequest::decode(bytes) {
             let _ = record_id(request.id);
             let _ = fencing_token(request.fencing_token);
-            if let Ok(response) = stored_response("response", request.response) {
-                let _ = response.validate("response", &limits);
-            }
+            let _ = stored_response("response", request.response, &limits);
         }
-        if let Ok(request) = pb::FailRequest::decode(bytes)
-            && let Failure::Terminal(response) = failure(request.retryable, request.error_response)
-        {
-            let _ = response.validate("error_response", &limits);
+        if let Ok(request) = pb::FailRequest::decode(bytes) {
+            let _ = failure(request.retryable, request.error_response, &limits);
         }
-        if let Ok(request) = pb::RenewRequest::decode(bytes)
-            && let Ok(Some(lease)) = lease(request.lease)
-        {
-            let _ = limits.lease("lease", Some(lease));
+        if let Ok(request) = pb::RenewRequest::decode(bytes) {
+            let _ = lease(request.lease, &limits);
         }
         if let Ok(request) = pb::BatchAcquireRequest::decode(bytes) {
             for item in request.requests {

@@ -1,15 +1,14 @@
 //! One method per RPC: convert the request, call the engine, convert back.
-//! A batch RPC runs its items as the unary calls, concurrently, so that the
-//! store's group commit puts them in shared statements.
+//! A batch RPC takes each item as its unary call does (counted, authorized,
+//! parsed: a bad item fails alone), hands the valid ones to the engine
+//! together (`acquire_many`, `complete_many`), and answers each as the
+//! unary call would.
 
 use std::{
-    collections::HashMap,
     future::Future,
     sync::atomic::{AtomicUsize, Ordering},
 };
 
-use futures_util::future::join_all;
-use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
 use super::{
@@ -20,7 +19,11 @@ use super::{
     status::{batch_reply_full, to_rpc_status, to_status},
 };
 use crate::{
-    domain::InvalidField, engine::Engine, metrics::NamespaceLabels, security::policy::Access,
+    domain::{AcquireOutcome, InvalidField, Timestamp},
+    engine::{AcquireRequest, CompleteRequest, Engine},
+    error::Error,
+    metrics::NamespaceLabels,
+    security::policy::Access,
 };
 
 pub use pb::idempotency_service_server::IdempotencyServiceServer;
@@ -36,6 +39,13 @@ pub struct GrpcService {
 /// The caller the auth layer established, if auth is on.
 fn caller_of<T>(request: &Request<T>) -> Option<Caller> {
     request.extensions().get::<Caller>().cloned()
+}
+
+/// The status the call answers for `error`, counted.
+fn failed<T>(call: &mut CallMetrics<'_>, error: Error) -> Result<T, Status> {
+    let status = Err(to_status(call.rpc(), error));
+    call.finish(&status);
+    status
 }
 
 impl GrpcService {
@@ -62,83 +72,84 @@ impl GrpcService {
             .inspect_err(|denied| call.finish(&Err::<(), _>(denied.clone())))
     }
 
-    async fn acquire_one(
+    /// An Acquire (or BatchAcquire item) authorized, parsed and within the
+    /// limits; a refusal is counted.
+    fn acquire_request(
         &self,
+        call: &mut CallMetrics<'_>,
+        caller: Option<&Caller>,
         request: pb::AcquireRequest,
-        caller: Option<&Caller>,
-    ) -> Result<pb::AcquireResponse, Status> {
-        const RPC: &str = "Acquire";
-        let mut call = CallMetrics::start(RPC, &self.namespaces);
-        self.authorize(&mut call, caller, request.id.as_ref(), Access::Write)?;
-        let result = async {
-            let request = convert::acquire_request(request)?;
-            call.namespace(request.id.namespace());
-            self.engine.acquire(request).await
-        }
-        .await;
-        match result {
-            Ok(outcome) => {
-                call.acquire_outcome(&outcome);
-                Ok(convert::acquire_response(outcome))
-            }
-            Err(error) => {
-                let status = Err(to_status(RPC, error));
-                call.finish(&status);
-                status
-            }
-        }
+    ) -> Result<AcquireRequest, Status> {
+        self.authorize(call, caller, request.id.as_ref(), Access::Write)?;
+        let parsed = convert::acquire_request(request).and_then(|fields| {
+            call.namespace(fields.id.namespace());
+            fields.within(self.engine.limits())
+        });
+        parsed.or_else(|invalid| failed(call, invalid.into()))
     }
 
-    async fn complete_one(
+    /// A Complete (or BatchComplete item) authorized, parsed and within the
+    /// limits; a refusal is counted.
+    fn complete_request(
         &self,
+        call: &mut CallMetrics<'_>,
+        caller: Option<&Caller>,
         request: pb::CompleteRequest,
-        caller: Option<&Caller>,
-    ) -> Result<pb::CompleteResponse, Status> {
-        const RPC: &str = "Complete";
-        let mut call = CallMetrics::start(RPC, &self.namespaces);
-        self.authorize(&mut call, caller, request.id.as_ref(), Access::Write)?;
-        let result = async {
-            let id = convert::record_id(request.id)?;
+    ) -> Result<CompleteRequest, Status> {
+        self.authorize(call, caller, request.id.as_ref(), Access::Write)?;
+        let limits = self.engine.limits();
+        let parsed = convert::record_id(request.id).and_then(|id| {
             call.namespace(id.namespace());
-            let token = convert::fencing_token(request.fencing_token)?;
-            let response = convert::stored_response("response", request.response)?;
-            self.engine.complete(id, token, response).await
-        }
-        .await
-        .map(|completed_at| pb::CompleteResponse {
-            completed_at: Some(convert::timestamp(completed_at)),
-        })
-        .map_err(|error| to_status(RPC, error));
-        call.finish(&result);
-        result
+            Ok(CompleteRequest {
+                id,
+                fencing_token: convert::fencing_token(request.fencing_token)?,
+                response: convert::stored_response("response", request.response, limits)?,
+            })
+        });
+        parsed.or_else(|invalid| failed(call, invalid.into()))
     }
 
-    /// Checks a batch's size, runs its items, keeps the reply within the
-    /// message size limit, and turns each error into the `google.rpc.Status`
-    /// the unary call would have sent.
-    async fn run_batch<Req, T, Fut>(
+    /// Checks a batch's size, takes each item as its unary call would
+    /// (`take`: counted, authorized, parsed), runs the valid ones in the
+    /// engine together (`run`), answers each as the unary call would
+    /// (`answer`), keeps the reply within the message size limit, and turns
+    /// each error into the `google.rpc.Status` the unary call would have sent.
+    async fn run_batch<Req, Parsed, Out, T, Fut>(
         &self,
-        rpc: &'static str,
+        (rpc, item_rpc): (&'static str, &'static str),
         requests: Vec<Req>,
-        record: impl Fn(&Req) -> Option<&pb::RecordId>,
-        run: impl Fn(Req) -> Fut,
+        take: impl Fn(&mut CallMetrics<'_>, Req) -> Result<Parsed, Status>,
+        run: impl FnOnce(Vec<Parsed>) -> Fut,
+        answer: impl Fn(&mut CallMetrics<'_>, Result<Out, Error>) -> Result<T, Status>,
     ) -> Result<Vec<Result<T, tonic_types::pb::Status>>, Status>
     where
-        Fut: Future<Output = Result<T, Status>>,
+        Fut: Future<Output = Vec<Result<Out, Error>>>,
         T: prost::Message,
     {
         self.check_batch(rpc, requests.len())?;
         record_batch_items(rpc, requests.len());
-        let budget = ReplyBudget::new(self.engine.limits().max_message_bytes());
-        let answers = in_rounds(requests, record, |item| {
-            let answer = run(item);
-            let budget = &budget;
-            async move { budget.admit(answer.await) }
-        })
-        .await;
-        Ok(answers
+        let mut valid = Vec::with_capacity(requests.len());
+        let items: Vec<_> = requests
             .into_iter()
-            .map(|answer| answer.map_err(|status| to_rpc_status(&status)))
+            .map(|request| {
+                let mut call = CallMetrics::start(item_rpc, &self.namespaces);
+                let taken = take(&mut call, request).map(|parsed| valid.push(parsed));
+                (call, taken)
+            })
+            .collect();
+        let mut outcomes = run(valid).await.into_iter();
+        let budget = ReplyBudget::new(self.engine.limits().max_message_bytes());
+        Ok(items
+            .into_iter()
+            .map(|(mut call, taken)| {
+                let answer = taken.and_then(|()| {
+                    let outcome = outcomes.next().expect("an outcome per valid item");
+                    answer(&mut call, outcome)
+                });
+                budget
+                    .admit(answer)
+                    .map_err(|status| to_rpc_status(&status))
+            })
             .collect())
     }
 
@@ -156,68 +167,32 @@ impl GrpcService {
     }
 }
 
-/// An attempt a BatchAcquire item acquired: what renews its lease.
-struct Held {
-    id: Option<pb::RecordId>,
-    lease: Option<prost_types::Duration>,
-    /// Before the item ran, so no later than its lease started.
-    started: Instant,
+/// An Acquire's reply, counted under its outcome.
+fn acquire_answer(
+    call: &mut CallMetrics<'_>,
+    outcome: Result<AcquireOutcome, Error>,
+) -> Result<pb::AcquireResponse, Status> {
+    match outcome {
+        Ok(outcome) => {
+            call.acquire_outcome(&outcome);
+            Ok(convert::acquire_response(outcome))
+        }
+        Err(error) => failed(call, error),
+    }
 }
 
-impl GrpcService {
-    /// A BatchAcquire answers when its last item does, and an item whose
-    /// row another session holds runs alone and may wait up to the
-    /// statement timeout; meanwhile the leases of the items acquired at once
-    /// run down. An attempt past half its lease is renewed before the reply,
-    /// as a unary Acquire whose statement was slow is (see the engine):
-    /// answering with a lease that has passed would let a second caller
-    /// take the key over, and both would run the business logic. If it can
-    /// no longer be renewed (taken over), the item is answered UNAVAILABLE.
-    async fn keep_lease_live(
-        &self,
-        response: &mut pb::AcquireResponse,
-        held: &HashMap<u64, Held>,
-    ) -> Result<(), tonic_types::pb::Status> {
-        let Some(pb::acquire_response::Outcome::Acquired(acquired)) = &mut response.outcome else {
-            return Ok(());
-        };
-        let Some(attempt) = held.get(&acquired.fencing_token) else {
-            return Ok(());
-        };
-        // Both parsed when the item was acquired.
-        let (Ok(id), Ok(lease)) = (
-            convert::record_id(attempt.id.clone()),
-            convert::lease(attempt.lease)
-                .and_then(|lease| self.engine.limits().lease("lease", lease)),
-        ) else {
-            return Ok(());
-        };
-        if attempt.started.elapsed() < lease / 2 {
-            return Ok(());
-        }
-        match self
-            .engine
-            .renew(&id, acquired.fencing_token, Some(lease))
-            .await
-        {
-            Ok(times) => {
-                acquired.lease_expires_at = Some(convert::timestamp(times.lease_expires_at));
-                acquired.expires_at = Some(convert::timestamp(times.expires_at));
-                Ok(())
-            }
-            Err(error) => {
-                tracing::warn!(
-                    key = %id.key(),
-                    %error,
-                    "a batched Acquire's lease passed while the batch's other items ran"
-                );
-                Err(to_rpc_status(&to_status(
-                    "BatchAcquire",
-                    crate::error::Error::Contention("batch acquire"),
-                )))
-            }
-        }
-    }
+/// A Complete's reply, counted.
+fn complete_answer(
+    call: &mut CallMetrics<'_>,
+    completed: Result<Timestamp, Error>,
+) -> Result<pb::CompleteResponse, Status> {
+    let result = completed
+        .map(|completed_at| pb::CompleteResponse {
+            completed_at: Some(convert::timestamp(completed_at)),
+        })
+        .map_err(|error| to_status(call.rpc(), error));
+    call.finish(&result);
+    result
 }
 
 /// What is wrong with a batch of `items`, if anything (field `requests`).
@@ -239,20 +214,22 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         &self,
         request: Request<pb::AcquireRequest>,
     ) -> Result<Response<pb::AcquireResponse>, Status> {
+        let mut call = CallMetrics::start("Acquire", &self.namespaces);
         let caller = caller_of(&request);
-        self.acquire_one(request.into_inner(), caller.as_ref())
-            .await
-            .map(Response::new)
+        let request = self.acquire_request(&mut call, caller.as_ref(), request.into_inner())?;
+        let outcome = self.engine.acquire(request).await;
+        acquire_answer(&mut call, outcome).map(Response::new)
     }
 
     async fn complete(
         &self,
         request: Request<pb::CompleteRequest>,
     ) -> Result<Response<pb::CompleteResponse>, Status> {
+        let mut call = CallMetrics::start("Complete", &self.namespaces);
         let caller = caller_of(&request);
-        self.complete_one(request.into_inner(), caller.as_ref())
-            .await
-            .map(Response::new)
+        let request = self.complete_request(&mut call, caller.as_ref(), request.into_inner())?;
+        let completed = self.engine.complete(request).await;
+        complete_answer(&mut call, completed).map(Response::new)
     }
 
     async fn fail(
@@ -273,7 +250,11 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
             let id = convert::record_id(request.id)?;
             call.namespace(id.namespace());
             let token = convert::fencing_token(request.fencing_token)?;
-            let failure = convert::failure(request.retryable, request.error_response);
+            let failure = convert::failure(
+                request.retryable,
+                request.error_response,
+                self.engine.limits(),
+            )?;
             self.engine.fail(id, token, failure).await
         }
         .await
@@ -305,7 +286,7 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
             let id = convert::record_id(request.id)?;
             call.namespace(id.namespace());
             let token = convert::fencing_token(request.fencing_token)?;
-            let lease = convert::lease(request.lease)?;
+            let lease = convert::lease(request.lease, self.engine.limits())?;
             self.engine.renew(&id, token, lease).await
         }
         .await
@@ -350,42 +331,15 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         request: Request<pb::BatchAcquireRequest>,
     ) -> Result<Response<pb::BatchAcquireResponse>, Status> {
         let caller = caller_of(&request);
-        let requests = request.into_inner().requests;
-        // Each acquired item's attempt, by token, to renew the leases that
-        // the batch's slower items kept waiting.
-        let held: std::sync::Mutex<HashMap<u64, Held>> = Default::default();
         let answers = self
             .run_batch(
-                "BatchAcquire",
-                requests,
-                |item| item.id.as_ref(),
-                |item| {
-                    let (id, lease) = (item.id.clone(), item.lease);
-                    let started = Instant::now();
-                    let held = &held;
-                    let caller = caller.as_ref();
-                    async move {
-                        let answer = self.acquire_one(item, caller).await;
-                        if let Ok(pb::AcquireResponse {
-                            outcome: Some(pb::acquire_response::Outcome::Acquired(acquired)),
-                        }) = &answer
-                        {
-                            let attempt = Held { id, lease, started };
-                            let mut held = held.lock().expect("held attempts");
-                            held.insert(acquired.fencing_token, attempt);
-                        }
-                        answer
-                    }
-                },
+                ("BatchAcquire", "Acquire"),
+                request.into_inner().requests,
+                |call, item| self.acquire_request(call, caller.as_ref(), item),
+                |requests| self.engine.acquire_many(requests),
+                acquire_answer,
             )
             .await?;
-        let held = held.into_inner().expect("held attempts");
-        let answers = join_all(answers.into_iter().map(|answer| async {
-            let mut response = answer?;
-            self.keep_lease_live(&mut response, &held).await?;
-            Ok(response)
-        }))
-        .await;
         use pb::batch_acquire_result::Result as Item;
         let results = answers
             .into_iter()
@@ -401,13 +355,13 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         request: Request<pb::BatchCompleteRequest>,
     ) -> Result<Response<pb::BatchCompleteResponse>, Status> {
         let caller = caller_of(&request);
-        let requests = request.into_inner().requests;
         let answers = self
             .run_batch(
-                "BatchComplete",
-                requests,
-                |item| item.id.as_ref(),
-                |item| self.complete_one(item, caller.as_ref()),
+                ("BatchComplete", "Complete"),
+                request.into_inner().requests,
+                |call, item| self.complete_request(call, caller.as_ref(), item),
+                |requests| self.engine.complete_many(requests),
+                complete_answer,
             )
             .await?;
         use pb::batch_complete_result::Result as Item;
@@ -431,9 +385,9 @@ const ANSWER_FRAMING: usize = 16;
 /// gRPC clients accept by default. Replays carry stored responses of up to
 /// a MiB each, so a small request (a hundred Acquires of one large record)
 /// could otherwise ask for a reply of a hundred MiB, held in memory twice.
-/// Answers are counted as they come (a round's items finish in any order);
-/// one that does not fit is dropped at once, and its caller told to send it
-/// alone. The first answer always fits: a unary reply holds it.
+/// Answers are counted in the items' order; one that does not fit is
+/// dropped at once, and its caller told to send it alone. The first answer
+/// always fits: a unary reply holds it.
 struct ReplyBudget {
     max: usize,
     used: AtomicUsize,
@@ -458,51 +412,4 @@ impl ReplyBudget {
             Err(batch_reply_full(self.max))
         }
     }
-}
-
-/// Runs a batch's items concurrently, except that items for the same record
-/// run one after the other, in the order given (the k-th item of a record
-/// runs in round k), whether or not the store batches statements. Answers
-/// come back in the items' order.
-async fn in_rounds<T, R, Fut>(
-    items: Vec<T>,
-    record: impl Fn(&T) -> Option<&pb::RecordId>,
-    run: impl Fn(T) -> Fut,
-) -> Vec<R>
-where
-    Fut: Future<Output = R>,
-{
-    let mut seen: HashMap<(&str, &str, &str, &str), usize> = HashMap::new();
-    let rounds: Vec<usize> = items
-        .iter()
-        .map(|item| {
-            let Some(id) = record(item) else { return 0 };
-            let key = (&*id.namespace, &*id.operation, &*id.subject, &*id.key);
-            let round = seen.entry(key).or_insert(0);
-            *round += 1;
-            *round - 1
-        })
-        .collect();
-    drop(seen);
-    let last_round = rounds.iter().copied().max().unwrap_or(0);
-    let mut items: Vec<Option<T>> = items.into_iter().map(Some).collect();
-    let mut answers: Vec<Option<R>> = items.iter().map(|_| None).collect();
-    for round in 0..=last_round {
-        let positions: Vec<usize> = (0..items.len()).filter(|&i| rounds[i] == round).collect();
-        // A round's items start in the same poll, so they queue for the
-        // same statement.
-        let round_answers = join_all(
-            positions
-                .iter()
-                .map(|&i| run(items[i].take().expect("each item runs once"))),
-        )
-        .await;
-        for (i, answer) in positions.into_iter().zip(round_answers) {
-            answers[i] = Some(answer);
-        }
-    }
-    answers
-        .into_iter()
-        .map(|answer| answer.expect("every item ran"))
-        .collect()
 }

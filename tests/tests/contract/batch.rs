@@ -7,7 +7,9 @@ use idempotency_client::pb::{
     self, acquire_response::Outcome, batch_acquire_result, batch_complete_result,
 };
 use idempotency_server::startup::ServerConfig;
-use idempotency_tests::{TestDb, TestServer, record_id, response, test_config, unique_key};
+use idempotency_tests::{
+    TestDb, TestServer, http_get, metric_value, record_id, response, test_config, unique_key,
+};
 use prost::Message;
 use tokio::sync::Barrier;
 use tonic::{Code, Status, codegen::Bytes};
@@ -163,6 +165,41 @@ async fn every_item_answered_as_the_unary_call(db: &TestDb, server: &TestServer)
     // `done`, `fresh` and the eight `twice` records.
     assert!(get(&mut client, &fresh).await.is_ok());
     assert_eq!(db.row_count().await, 2 + twice.len() as i64);
+}
+
+/// A batch's items reach the store together by construction, not because
+/// they happen to queue for the same statement: a BatchAcquire of new keys
+/// is one insert of them all.
+#[tokio::test]
+async fn a_batch_acquire_of_new_keys_is_one_statement() {
+    const KEYS: usize = 50;
+    let db = TestDb::new().await;
+    let config = ServerConfig {
+        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+        ..test_config()
+    };
+    let server = TestServer::start_config(&db, config).await;
+    let mut client = server.client.clone();
+    let requests = (0..KEYS)
+        .map(|_| acquire_item(&record_id(&unique_key("one-statement")), b"fp"))
+        .collect();
+
+    let results = batch_acquire(&mut client, requests).await;
+
+    assert!(
+        results
+            .iter()
+            .all(|result| matches!(result, Ok(Outcome::Acquired(_)))),
+        "{results:?}"
+    );
+    let page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
+    let statements = metric_value(&page, r#"idempotency_db_batch_size_count{query="acquire"}"#);
+    let items = metric_value(&page, r#"idempotency_db_batch_size_sum{query="acquire"}"#);
+    assert_eq!(
+        (statements, items),
+        (Some(1.0), Some(KEYS as f64)),
+        "(statements, items in them)"
+    );
 }
 
 #[tokio::test]
