@@ -8,7 +8,7 @@ use std::{sync::Arc, time::Duration};
 use crate::{
     domain::{
         AcquireOutcome, FencingToken, Fingerprint, Limits, Record, RecordId, RecordState,
-        StoredResponse, Timestamp,
+        StoredResponse, Timestamp, ValidateResponse,
     },
     error::Error,
     replay_cache::ReplayCache,

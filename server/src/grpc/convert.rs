@@ -94,22 +94,14 @@ pub fn stored_response(
     response: Option<pb::StoredResponse>,
 ) -> Result<StoredResponse, InvalidField> {
     let response = response.ok_or_else(|| InvalidField::new(field, "is required"))?;
-    Ok(from_pb_response(response))
-}
-
-fn from_pb_response(response: pb::StoredResponse) -> StoredResponse {
-    StoredResponse {
-        status_code: response.status_code,
-        body: response.body,
-        headers: response.headers.into_iter().collect(),
-    }
+    Ok(response.into())
 }
 
 pub fn failure(retryable: bool, error_response: Option<pb::StoredResponse>) -> Failure {
     if retryable {
         Failure::Retryable
     } else {
-        Failure::Terminal(error_response.map(from_pb_response).unwrap_or_default())
+        Failure::Terminal(error_response.map(StoredResponse::from).unwrap_or_default())
     }
 }
 
@@ -126,14 +118,6 @@ fn pb_duration(duration: Duration) -> prost_types::Duration {
         seconds: i64::MAX,
         nanos: 0,
     })
-}
-
-fn pb_response(response: StoredResponse) -> pb::StoredResponse {
-    pb::StoredResponse {
-        status_code: response.status_code,
-        body: response.body,
-        headers: response.headers.into_iter().collect(),
-    }
 }
 
 pub fn acquire_response(outcome: AcquireOutcome) -> pb::AcquireResponse {
@@ -160,14 +144,14 @@ pub fn acquire_response(outcome: AcquireOutcome) -> pb::AcquireResponse {
             response,
             completed_at,
         } => Outcome::Completed(pb::Completed {
-            response: Some(pb_response(response)),
+            response: Some(response.into()),
             completed_at: Some(timestamp(completed_at)),
         }),
         AcquireOutcome::Failed {
             error_response,
             failed_at,
         } => Outcome::Failed(pb::Failed {
-            error_response: Some(pb_response(error_response)),
+            error_response: Some(error_response.into()),
             failed_at: Some(timestamp(failed_at)),
         }),
         AcquireOutcome::FingerprintMismatch => {
@@ -180,12 +164,7 @@ pub fn acquire_response(outcome: AcquireOutcome) -> pb::AcquireResponse {
 }
 
 pub fn record_state(state: RecordState) -> pb::RecordState {
-    match state {
-        RecordState::InProgress => pb::RecordState::InProgress,
-        RecordState::Completed => pb::RecordState::Completed,
-        RecordState::Failed => pb::RecordState::Failed,
-        RecordState::Released => pb::RecordState::Released,
-    }
+    state.into()
 }
 
 pub fn renew_response(lease: LeaseTimes) -> pb::RenewResponse {
@@ -210,7 +189,7 @@ pub fn record(record: Record) -> pb::Record {
         expires_at: Some(timestamp(record.expires_at)),
         lease_expires_at: record.lease_expires_at.map(timestamp),
         completed_at: record.completed_at.map(timestamp),
-        response: record.response.map(pb_response),
+        response: record.response.map(pb::StoredResponse::from),
     }
 }
 
@@ -220,7 +199,10 @@ mod tests {
     use prost::Message;
 
     use super::*;
-    use crate::{domain::Limits, grpc::wire};
+    use crate::{
+        domain::{Limits, ValidateResponse},
+        grpc::wire,
+    };
 
     fn pb_duration(seconds: i64, nanos: i32) -> Option<prost_types::Duration> {
         Some(prost_types::Duration { seconds, nanos })
