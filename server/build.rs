@@ -1,24 +1,5 @@
-use std::{env, path::PathBuf};
-
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    // A fresh machine needs no system protoc: use the vendored one unless PROTOC is set.
-    if env::var_os("PROTOC").is_none() {
-        // Build scripts are single-threaded, so changing our own environment is sound.
-        unsafe { env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?) };
-    }
-    let out = PathBuf::from(env::var("OUT_DIR")?);
-    tonic_prost_build::configure()
-        .build_client(false)
-        // Batch results carry google.rpc.Status: use tonic-types' generated type,
-        // the one tonic's richer error model already decodes.
-        .extern_path(".google.rpc", "::tonic_types::pb")
-        .file_descriptor_set_path(out.join("idempotency_descriptor.bin"))
-        .compile_protos(
-            &["../proto/idempotency/v1/idempotency.proto"],
-            &["../proto"],
-        )?;
-    // sqlx::migrate! embeds the SQL at compile time.
+fn main() {
+    // sqlx::migrate! embeds the SQL at compile time. (The generated protobuf
+    // code comes from the idempotency-proto crate.)
     println!("cargo:rerun-if-changed=../migrations");
-    println!("cargo:rerun-if-changed=../proto");
-    Ok(())
 }

@@ -1,3 +1,4 @@
+use idempotency_proto::reason;
 use tonic::{Code, Status};
 use tonic_types::StatusExt;
 
@@ -108,9 +109,9 @@ impl Error {
                 reason: reason.map(str::to_owned),
                 message: status.message().to_owned(),
             },
-            (Code::Aborted, Some("STALE_FENCING_TOKEN")) => Error::LeaseLost,
-            (Code::FailedPrecondition, Some("RESPONSE_CONFLICT")) => Error::ResponseConflict,
-            (Code::FailedPrecondition, Some("NOT_IN_PROGRESS")) => Error::NotInProgress,
+            (Code::Aborted, Some(reason::STALE_FENCING_TOKEN)) => Error::LeaseLost,
+            (Code::FailedPrecondition, Some(reason::RESPONSE_CONFLICT)) => Error::ResponseConflict,
+            (Code::FailedPrecondition, Some(reason::NOT_IN_PROGRESS)) => Error::NotInProgress,
             (code, _) if is_transient(code) => Error::Unavailable {
                 attempts,
                 message: status.message().to_owned(),
@@ -123,7 +124,7 @@ impl Error {
 
 /// The `ErrorInfo` reason of [`Error::PermissionDenied`] when the caller may
 /// not use the record's namespace.
-pub const NAMESPACE_FORBIDDEN: &str = "NAMESPACE_FORBIDDEN";
+pub use idempotency_proto::reason::NAMESPACE_FORBIDDEN;
 
 /// Codes worth retrying: every RPC of the service is idempotent, so a call
 /// that may or may not have reached the server can be sent again.

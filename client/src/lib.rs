@@ -79,8 +79,6 @@ pub use run::{Attempt, Failure, OnUnavailable, Ran, RunError, RunOptions, UNSTOR
 pub use tls::TlsFiles;
 pub use types::{AcquireRequest, Record, RecordId, RecordState, StoredResponse};
 
-/// Generated protobuf messages and the gRPC client for `idempotency.v1`.
-#[allow(missing_docs)]
-pub mod pb {
-    tonic::include_proto!("idempotency.v1");
-}
+/// Generated protobuf messages and the gRPC client for `idempotency.v1`
+/// (from the `idempotency-proto` crate, which the service shares).
+pub use idempotency_proto::pb;

@@ -1,9 +1,10 @@
 //! Domain types of the client, free of protobuf.
 
-use std::{
-    collections::BTreeMap,
-    time::{Duration, SystemTime},
-};
+use std::time::{Duration, SystemTime};
+
+// Shared with the service (the `idempotency-proto` crate), so both sides
+// count a response's size and name a state alike.
+pub use idempotency_proto::{RecordState, StoredResponse};
 
 use crate::pb;
 
@@ -93,92 +94,6 @@ impl AcquireRequest {
             fingerprint: self.fingerprint.clone(),
             ttl: self.ttl.map(duration_to_pb),
             lease: self.lease.map(duration_to_pb),
-        }
-    }
-}
-
-/// A response kept for replay: status, body and headers, byte for byte.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct StoredResponse {
-    /// e.g. an HTTP status.
-    pub status_code: u32,
-    /// The body as sent.
-    pub body: Vec<u8>,
-    /// Headers or metadata worth replaying.
-    pub headers: BTreeMap<String, String>,
-}
-
-impl StoredResponse {
-    /// A response with a status and a body, no headers.
-    pub fn new(status_code: u32, body: impl Into<Vec<u8>>) -> Self {
-        Self {
-            status_code,
-            body: body.into(),
-            headers: BTreeMap::new(),
-        }
-    }
-
-    /// Bytes counted against the service's response limit: body plus every
-    /// header name and value.
-    pub fn size(&self) -> usize {
-        self.body.len()
-            + self
-                .headers
-                .iter()
-                .map(|(name, value)| name.len() + value.len())
-                .sum::<usize>()
-    }
-
-    /// The same response with one more header.
-    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
-        self.headers.insert(name.into(), value.into());
-        self
-    }
-
-    pub(crate) fn to_pb(&self) -> pb::StoredResponse {
-        pb::StoredResponse {
-            status_code: self.status_code,
-            body: self.body.clone(),
-            headers: self
-                .headers
-                .iter()
-                .map(|(name, value)| (name.clone(), value.clone()))
-                .collect(),
-        }
-    }
-
-    pub(crate) fn from_pb(response: Option<pb::StoredResponse>) -> Self {
-        let response = response.unwrap_or_default();
-        Self {
-            status_code: response.status_code,
-            body: response.body,
-            headers: response.headers.into_iter().collect(),
-        }
-    }
-}
-
-/// Where a record is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum RecordState {
-    /// An attempt holds, or held, the lease.
-    InProgress,
-    /// Completed; the response is stored.
-    Completed,
-    /// Failed terminally; the error response is stored.
-    Failed,
-    /// Released by a retryable failure; the next Acquire takes it.
-    Released,
-}
-
-impl RecordState {
-    pub(crate) fn from_pb(state: i32) -> Option<Self> {
-        match pb::RecordState::try_from(state).ok()? {
-            pb::RecordState::InProgress => Some(Self::InProgress),
-            pb::RecordState::Completed => Some(Self::Completed),
-            pb::RecordState::Failed => Some(Self::Failed),
-            pb::RecordState::Released => Some(Self::Released),
-            pb::RecordState::Unspecified => None,
         }
     }
 }

@@ -11,7 +11,7 @@ pub use fingerprint::Fingerprint;
 pub use limits::Limits;
 pub use outcome::{AcquireOutcome, Record, RecordState};
 pub use record_id::{RecordFilter, RecordId};
-pub use response::StoredResponse;
+pub use response::{StoredResponse, ValidateResponse};
 
 /// Monotonic number of an attempt on one record: 1, then +1 on every takeover.
 /// A holder whose token is no longer current must not complete.

@@ -2,6 +2,10 @@ use std::time::Duration;
 
 use super::{FencingToken, Fingerprint, RecordId, StoredResponse, Timestamp};
 
+/// Where a record is in its life; shared with the client. `as_str` and
+/// `from_stored` give the spelling of the `state` column.
+pub use idempotency_proto::RecordState;
+
 /// Exactly one answer to an Acquire. Expected outcomes are values, not errors.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AcquireOutcome {
@@ -30,36 +34,6 @@ pub enum AcquireOutcome {
     },
     /// The key was first used with another request.
     FingerprintMismatch,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RecordState {
-    InProgress,
-    Completed,
-    Failed,
-    Released,
-}
-
-impl RecordState {
-    /// The spelling stored in the `state` column.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::InProgress => "in_progress",
-            Self::Completed => "completed",
-            Self::Failed => "failed",
-            Self::Released => "released",
-        }
-    }
-
-    pub fn from_stored(value: &str) -> Option<Self> {
-        Some(match value {
-            "in_progress" => Self::InProgress,
-            "completed" => Self::Completed,
-            "failed" => Self::Failed,
-            "released" => Self::Released,
-            _ => return None,
-        })
-    }
 }
 
 /// A live record as Get returns it.

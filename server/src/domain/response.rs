@@ -1,29 +1,21 @@
-use std::collections::BTreeMap;
+//! The checks a stored response must pass before the store keeps it. The type
+//! itself, and its size rule, are shared with the client
+//! (`idempotency_proto::StoredResponse`).
 
 use super::{InvalidField, Limits};
 
-/// A response kept for replay: status, body and headers, byte for byte.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct StoredResponse {
-    pub status_code: u32,
-    pub body: Vec<u8>,
-    /// Sorted, so that equality and storage do not depend on arrival order.
-    pub headers: BTreeMap<String, String>,
+pub use idempotency_proto::StoredResponse;
+
+/// The server's checks of a [`StoredResponse`] (a trait, as the type is the
+/// shared crate's): what Postgres cannot hold and what [`Limits`] forbid.
+pub trait ValidateResponse {
+    /// Checks what the store cannot hold and what the limits forbid; errors
+    /// name `field` (e.g. `response`, `error_response.headers`).
+    fn validate(&self, field: &str, limits: &Limits) -> Result<(), InvalidField>;
 }
 
-impl StoredResponse {
-    /// Bytes counted against the response size limit: body plus every header name and value.
-    pub fn size(&self) -> usize {
-        self.body.len()
-            + self
-                .headers
-                .iter()
-                .map(|(name, value)| name.len() + value.len())
-                .sum::<usize>()
-    }
-
-    /// Checks what the store cannot hold and what the limits forbid.
-    pub fn validate(&self, field: &str, limits: &Limits) -> Result<(), InvalidField> {
+impl ValidateResponse for StoredResponse {
+    fn validate(&self, field: &str, limits: &Limits) -> Result<(), InvalidField> {
         let max_bytes = limits.max_response_bytes;
         // Stored in a Postgres integer column.
         if i32::try_from(self.status_code).is_err() {
@@ -66,6 +58,8 @@ impl StoredResponse {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use super::*;
 
     fn limits(max_response_bytes: usize, max_response_headers: usize) -> Limits {

@@ -7,7 +7,7 @@ use super::pb;
 use crate::{
     domain::{
         AcquireOutcome, Fingerprint, InvalidField, Limits, Record, RecordId, RecordState,
-        StoredResponse, Timestamp,
+        StoredResponse, Timestamp, ValidateResponse,
     },
     engine::{AcquireRequest, Failure, LeaseTimes},
 };
@@ -125,17 +125,9 @@ pub fn stored_response(
     limits: &Limits,
 ) -> Result<StoredResponse, InvalidField> {
     let response = response.ok_or_else(|| InvalidField::new(field, "is required"))?;
-    let response = from_pb_response(response);
+    let response = StoredResponse::from(response);
     response.validate(field, limits)?;
     Ok(response)
-}
-
-fn from_pb_response(response: pb::StoredResponse) -> StoredResponse {
-    StoredResponse {
-        status_code: response.status_code,
-        body: response.body,
-        headers: response.headers.into_iter().collect(),
-    }
 }
 
 /// A Fail's outcome; a terminal one's error response within the limits.
@@ -147,7 +139,7 @@ pub fn failure(
     if retryable {
         return Ok(Failure::Retryable);
     }
-    let response = error_response.map(from_pb_response).unwrap_or_default();
+    let response = error_response.map(StoredResponse::from).unwrap_or_default();
     response.validate("error_response", limits)?;
     Ok(Failure::Terminal(response))
 }
@@ -165,14 +157,6 @@ fn pb_duration(duration: Duration) -> prost_types::Duration {
         seconds: i64::MAX,
         nanos: 0,
     })
-}
-
-fn pb_response(response: StoredResponse) -> pb::StoredResponse {
-    pb::StoredResponse {
-        status_code: response.status_code,
-        body: response.body,
-        headers: response.headers.into_iter().collect(),
-    }
 }
 
 pub fn acquire_response(outcome: AcquireOutcome) -> pb::AcquireResponse {
@@ -199,14 +183,14 @@ pub fn acquire_response(outcome: AcquireOutcome) -> pb::AcquireResponse {
             response,
             completed_at,
         } => Outcome::Completed(pb::Completed {
-            response: Some(pb_response(response)),
+            response: Some(response.into()),
             completed_at: Some(timestamp(completed_at)),
         }),
         AcquireOutcome::Failed {
             error_response,
             failed_at,
         } => Outcome::Failed(pb::Failed {
-            error_response: Some(pb_response(error_response)),
+            error_response: Some(error_response.into()),
             failed_at: Some(timestamp(failed_at)),
         }),
         AcquireOutcome::FingerprintMismatch => {
@@ -219,12 +203,7 @@ pub fn acquire_response(outcome: AcquireOutcome) -> pb::AcquireResponse {
 }
 
 pub fn record_state(state: RecordState) -> pb::RecordState {
-    match state {
-        RecordState::InProgress => pb::RecordState::InProgress,
-        RecordState::Completed => pb::RecordState::Completed,
-        RecordState::Failed => pb::RecordState::Failed,
-        RecordState::Released => pb::RecordState::Released,
-    }
+    state.into()
 }
 
 pub fn renew_response(lease: LeaseTimes) -> pb::RenewResponse {
@@ -249,7 +228,7 @@ pub fn record(record: Record) -> pb::Record {
         expires_at: Some(timestamp(record.expires_at)),
         lease_expires_at: record.lease_expires_at.map(timestamp),
         completed_at: record.completed_at.map(timestamp),
-        response: record.response.map(pb_response),
+        response: record.response.map(pb::StoredResponse::from),
     }
 }
 
@@ -259,7 +238,10 @@ mod tests {
     use prost::Message;
 
     use super::*;
-    use crate::{domain::Limits, grpc::wire};
+    use crate::{
+        domain::{Limits, ValidateResponse},
+        grpc::wire,
+    };
 
     fn pb_duration(seconds: i64, nanos: i32) -> Option<prost_types::Duration> {
         Some(prost_types::Duration { seconds, nanos })

@@ -25,13 +25,9 @@ pub mod service;
 pub mod status;
 pub mod wire;
 
-/// Messages and the server trait generated from `proto/idempotency/v1/idempotency.proto`.
-pub mod pb {
-    tonic::include_proto!("idempotency.v1");
-
-    /// The encoded descriptors, served by reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] =
-        tonic::include_file_descriptor_set!("idempotency_descriptor");
-}
+/// Messages and the server trait generated from `proto/idempotency/v1/idempotency.proto`
+/// (the `idempotency-proto` crate, shared with the client), with the encoded
+/// descriptors reflection serves.
+pub use idempotency_proto::pb;
 
 pub use service::GrpcService;

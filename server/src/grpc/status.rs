@@ -12,35 +12,10 @@ use tonic_types::{ErrorDetails, StatusExt};
 
 use crate::{error::Error, store::StoreError};
 
-pub const DOMAIN: &str = "idempotency";
-
-/// `ErrorInfo.reason` values; the proto's header lists them for clients.
-pub mod reason {
-    pub const INVALID_ARGUMENT: &str = "INVALID_ARGUMENT";
-    pub const RECORD_NOT_FOUND: &str = "RECORD_NOT_FOUND";
-    pub const STALE_FENCING_TOKEN: &str = "STALE_FENCING_TOKEN";
-    pub const RESPONSE_CONFLICT: &str = "RESPONSE_CONFLICT";
-    pub const NOT_IN_PROGRESS: &str = "NOT_IN_PROGRESS";
-    pub const DATABASE_UNAVAILABLE: &str = "DATABASE_UNAVAILABLE";
-    pub const CONTENTION: &str = "CONTENTION";
-    pub const INTERNAL: &str = "INTERNAL";
-    /// Batch items only: the answer did not fit in the batch's reply.
-    pub const BATCH_REPLY_FULL: &str = "BATCH_REPLY_FULL";
-    /// With auth on: no credential, or one that does not check out.
-    pub const UNAUTHENTICATED: &str = "UNAUTHENTICATED";
-    /// With auth on: the caller may not touch the namespace of this id.
-    pub const NAMESPACE_FORBIDDEN: &str = "NAMESPACE_FORBIDDEN";
-    /// With auth on: reflection for a caller the policy grants nothing.
-    pub const NOT_GRANTED: &str = "NOT_GRANTED";
-    /// The request message is longer than its method can validly be.
-    pub const MESSAGE_TOO_LARGE: &str = "MESSAGE_TOO_LARGE";
-    /// Shed before anything was read: `--max-concurrent-calls` calls were
-    /// in flight, or they held the memory budget (`--max-in-flight-bytes`).
-    pub const OVERLOADED: &str = "OVERLOADED";
-    /// No answer within the call's deadline (the caller's, or the server's
-    /// --request-timeout): the database is slow or unreachable.
-    pub const REQUEST_TIMEOUT: &str = "REQUEST_TIMEOUT";
-}
+/// The `ErrorInfo` domain of every status, and the `ErrorInfo.reason` values
+/// (the proto's header lists them for clients): one list, shared with the
+/// client through the `idempotency-proto` crate.
+pub use idempotency_proto::{ERROR_DOMAIN as DOMAIN, reason};
 
 /// A status with its `ErrorInfo` reason (domain `idempotency`).
 pub(crate) fn with_reason(code: Code, message: String, reason: &str) -> Status {
