@@ -7,6 +7,34 @@
 //! path; [`batch`] lets concurrent calls share statements. [`reaper`]
 //! deletes expired records, [`stats`] reads the table's size, [`admin`]
 //! serves the operator CLI.
+//!
+//! # Plans: keys and the `expires_at` index, never the whole table
+//!
+//! Every statement of the service finds its rows by primary key, or (the
+//! reaper, the gauges' oldest expiry) through the `expires_at` index. The
+//! danger is a young table: on a table that has rows but no statistics yet,
+//! the planner may prefer reading the whole table, and a prepared statement
+//! keeps its generic plan (chosen after five runs) until the next ANALYZE,
+//! however much the table grows meanwhile. Three guards keep the plans on
+//! the indexes:
+//!
+//! - the serving pool's sessions plan with `enable_seqscan` and
+//!   `enable_bitmapscan` off ([`crate::db::PoolSettings::index_lookups_only`]);
+//!   the gauges' exact row count of a small table, which no index can
+//!   answer, is the one statement that still scans ([`stats`]);
+//! - the batched Complete writes its expiry check `(r.expires_at > now()) IS
+//!   TRUE`, which no index can serve: with the check written plainly, the
+//!   planner guessed that it keeps a third of a young table's rows and read
+//!   them all through the `expires_at` index rather than look each key up
+//!   ([`statements`], `finish`);
+//! - the `expires_at` index itself (the first migration), so that the
+//!   reaper and the gauges walk it instead of scanning.
+//!
+//! `tests/tests/contract/plans.rs` holds them: on a young table with
+//! autovacuum off, it runs the hot path (Acquire, Complete, replay, a
+//! takeover, Renew, Get) past the switch to generic plans, then checks that
+//! no row was read by a sequential scan and that the `expires_at` index was
+//! not walked beyond a few rows.
 
 pub mod admin;
 pub mod batch;

@@ -140,12 +140,7 @@ async fn finish_alone(db: &Db, input: Arc<FinishInput>) -> StoreResult<Option<Ti
     let _timer = QueryTimer::start("finish");
     let mut connection = db.connection().await?;
     let finished = statements::finish(&mut connection, &[input], RowWait::Full).await?;
-    match single(finished)? {
-        Part::Done(finished) => Ok(finished),
-        Part::Alone => Err(StoreError::Corrupt(
-            "a waiting statement passed its row over".into(),
-        )),
-    }
+    single(finished)
 }
 
 fn single<T>(mut answers: Vec<T>) -> StoreResult<T> {
@@ -218,7 +213,8 @@ impl Statement for Finishes {
     ) -> StoreResult<Vec<Part<Option<Timestamp>>>> {
         let _timer = QueryTimer::start("finish");
         let connection = self.0.kept(kept).await?;
-        statements::finish(connection, inputs, RowWait::Brief).await
+        let finished = statements::finish(connection, inputs, RowWait::Brief).await?;
+        Ok(finished.into_iter().map(Part::Done).collect())
     }
 
     async fn run_alone(&self, input: Arc<FinishInput>) -> StoreResult<Option<Timestamp>> {

@@ -5,16 +5,16 @@
 //! each clause.
 //!
 //! Insert-or-read and finish take any number of calls at once, as arrays in
-//! key order (see [`KeyOrder`]).
+//! key order (see [`KeyOrder`]); each row they return carries its input's
+//! place in those arrays (`ord`, from `WITH ORDINALITY`), which maps it back
+//! to its caller.
 
 use std::{sync::Arc, time::Duration};
 
 use sqlx::types::Json;
 
 use super::{
-    AcquiredRow, Connection, RecordRow, StoreResult,
-    batch::Part,
-    interval,
+    AcquiredRow, Connection, RecordRow, StoreResult, interval,
     records::{AcquireAttempt, AcquireInput, FinishInput},
     status, token,
 };
@@ -65,9 +65,10 @@ impl KeyOrder {
         self.0.iter().map(|&i| part(&*inputs[i])).collect()
     }
 
-    /// Each input's own index, in key order: the statements' `ord`.
-    fn positions(&self) -> Vec<i64> {
-        self.0.iter().map(|&i| i as i64).collect()
+    /// The input at `ord`, a row's place (from 1) in the arrays.
+    fn input(&self, ord: i64) -> Option<usize> {
+        let place = usize::try_from(ord).ok()?.checked_sub(1)?;
+        self.0.get(place).copied()
     }
 }
 
@@ -101,18 +102,20 @@ pub(super) async fn insert_or_read(
     // UPDATE, FOR KEY SHARE), but it does wait for another transaction that
     // inserted, updated or deleted a key it inserts (to know whether the key
     // will exist), until that one ends (tried on Postgres 15). In a batch
-    // that wait is cut short: `$9` sets `lock_timeout` for this statement's
+    // that wait is cut short: `$8` sets `lock_timeout` for this statement's
     // transaction, evaluated with the first input row, before any insert.
     // Locks on the table itself are taken before execution, so a table
     // lock (a migration, an operator's LOCK) still holds the whole
     // statement up to the statement timeout: that one is no single call's.
-    // `$9` NULL keeps the session's setting.
+    // `$8` NULL keeps the session's setting.
+    //
+    // The rows are inserted in key order (`ORDER BY ord`: see `KeyOrder`).
     const SQL: &str = "
         WITH input AS (
             SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[],
-                                 $6::interval[], $7::interval[], $8::int8[])
-                WITH ORDINALITY AS v(namespace, operation, subject, key, fingerprint, ttl, lease, ord, pos)
-            WHERE set_config('lock_timeout', coalesce($9, current_setting('lock_timeout')), true)
+                                 $6::interval[], $7::interval[])
+                WITH ORDINALITY AS v(namespace, operation, subject, key, fingerprint, ttl, lease, ord)
+            WHERE set_config('lock_timeout', coalesce($8, current_setting('lock_timeout')), true)
                   IS NOT NULL
         ), inserted AS (
             INSERT INTO idempotency_records
@@ -122,7 +125,7 @@ pub(super) async fn insert_or_read(
                    idempotency_lifetime_token(),
                    now(), now() + greatest(ttl, lease), now() + lease
             FROM input
-            ORDER BY pos
+            ORDER BY ord
             ON CONFLICT (namespace, operation, subject, key) DO NOTHING
             RETURNING namespace, operation, subject, key, state, fingerprint, fencing_token,
                       created_at, expires_at, lease_expires_at, completed_at,
@@ -149,23 +152,19 @@ pub(super) async fn insert_or_read(
         .bind(order.column(inputs, |input| input.fingerprint.as_bytes()))
         .bind(order.column(inputs, |input| interval(input.ttl)))
         .bind(order.column(inputs, |input| interval(input.lease)))
-        .bind(order.positions())
         .bind(wait.lock_timeout());
     let rows = connection
         .run(|connection| query.fetch_all(connection))
         .await?;
-    Ok(attempts(rows, inputs.len()))
+    Ok(attempts(rows, &order, inputs.len()))
 }
 
 /// Each input's attempt, from the statement's rows; an input without a row
 /// raced.
-fn attempts(rows: Vec<AttemptRow>, inputs: usize) -> Vec<AcquireAttempt> {
+fn attempts(rows: Vec<AttemptRow>, order: &KeyOrder, inputs: usize) -> Vec<AcquireAttempt> {
     let mut attempts: Vec<AcquireAttempt> = (0..inputs).map(|_| AcquireAttempt::Raced).collect();
     for row in rows {
-        let Some(slot) = usize::try_from(row.ord)
-            .ok()
-            .and_then(|i| attempts.get_mut(i))
-        else {
+        let Some(slot) = order.input(row.ord).and_then(|i| attempts.get_mut(i)) else {
             continue;
         };
         *slot = if row.inserted {
@@ -183,23 +182,24 @@ fn attempts(rows: Vec<AttemptRow>, inputs: usize) -> Vec<AcquireAttempt> {
 
 /// Moves each input's live in-progress record, held with its token, to
 /// `completed` or `failed` with its response. Answers in input order: when
-/// it finished, `None` when no live attempt holds that token, or passed
-/// over. (Mostly one SQL statement and the reasons for it.)
+/// it finished, or `None` when no live attempt holds that token. (Mostly one
+/// SQL statement and the reasons for it.)
 pub(super) async fn finish(
     connection: &mut Connection,
     inputs: &[Arc<FinishInput>],
     wait: RowWait,
-) -> StoreResult<Vec<Part<Option<Timestamp>>>> {
+) -> StoreResult<Vec<Option<Timestamp>>> {
     // The expiry check is written `(...) IS TRUE` so that no index can serve
     // it. On a table too young to have statistics, the planner guesses that
     // `expires_at > now()` keeps a third of the rows, and a plan reading the
     // whole table through the `expires_at` index then looks cheaper than a
     // key lookup per row. A connection keeps its generic plan until the next
-    // ANALYZE, so every Complete scanned the table meanwhile.
+    // ANALYZE, so every Complete scanned the table meanwhile. (See the
+    // store's module docs on plans.)
     //
     // In a batch, a row another session holds (a row lock, or another
     // transaction's uncommitted write) makes the statement fail after
-    // BATCH_ROW_WAIT (`$11` sets `lock_timeout` for this statement's own
+    // BATCH_ROW_WAIT (`$10` sets `lock_timeout` for this statement's own
     // transaction, in the input step, before any row is locked; NULL keeps
     // the session's setting, the statement timeout): its calls then run
     // alone, each waiting for its own row, so only the held one waits long.
@@ -209,9 +209,10 @@ pub(super) async fn finish(
     const SQL: &str = "
         WITH v AS (
             SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[],
-                                 $6::text[], $7::int4[], $8::bytea[], $9::jsonb[], $10::int8[])
+                                 $6::text[], $7::int4[], $8::bytea[], $9::jsonb[])
+                WITH ORDINALITY
                 AS v(namespace, operation, subject, key, token, state, status, body, headers, ord)
-            WHERE set_config('lock_timeout', coalesce($11, current_setting('lock_timeout')), true)
+            WHERE set_config('lock_timeout', coalesce($10, current_setting('lock_timeout')), true)
                   IS NOT NULL
         )
         UPDATE idempotency_records AS r
@@ -222,9 +223,9 @@ pub(super) async fn finish(
           AND r.subject = v.subject AND r.key = v.key
           AND r.fencing_token = v.token AND r.state = 'in_progress'
           AND (r.expires_at > now()) IS TRUE
-        RETURNING v.ord, r.completed_at, false AS passed";
+        RETURNING v.ord, r.completed_at";
     let order = KeyOrder::of(inputs.iter().map(|input| &input.id));
-    let query = sqlx::query_as::<_, (i64, Option<Timestamp>, bool)>(SQL)
+    let query = sqlx::query_as::<_, (i64, Option<Timestamp>)>(SQL)
         .bind(order.column(inputs, |input| input.id.namespace()))
         .bind(order.column(inputs, |input| input.id.operation()))
         .bind(order.column(inputs, |input| input.id.subject()))
@@ -234,22 +235,17 @@ pub(super) async fn finish(
         .bind(order.column(inputs, |input| status(&input.response)))
         .bind(order.column(inputs, |input| input.response.body.as_slice()))
         .bind(order.column(inputs, |input| Json(&input.response.headers)))
-        .bind(order.positions())
         .bind(wait.lock_timeout());
     let rows = connection
         .run(|connection| query.fetch_all(connection))
         .await?;
-    let mut parts = vec![Part::Done(None); inputs.len()];
-    for (ord, completed_at, passed) in rows {
-        if let Some(slot) = usize::try_from(ord).ok().and_then(|i| parts.get_mut(i)) {
-            *slot = if passed {
-                Part::Alone
-            } else {
-                Part::Done(completed_at)
-            };
+    let mut finished = vec![None; inputs.len()];
+    for (ord, completed_at) in rows {
+        if let Some(slot) = order.input(ord).and_then(|i| finished.get_mut(i)) {
+            *slot = completed_at;
         }
     }
-    Ok(parts)
+    Ok(finished)
 }
 
 /// Takes over a record that expired, was released, or whose lease passed
@@ -259,34 +255,59 @@ pub(super) async fn take_over(
     connection: &mut Connection,
     input: &AcquireInput,
 ) -> StoreResult<Option<AcquiredRow>> {
+    // Two cases, one UPDATE each, in one statement and round trip. They see
+    // the same snapshot, in which a record either expired or not, so at most
+    // one of them updates it.
+    //
+    // `expired`: an expired record acts as absent, so it starts a new
+    // lifetime, as if inserted, whatever its state and fingerprint. Its token
+    // is larger than any of the old lifetime's (see the migration defining
+    // the function): its old holder may still be running.
+    //
+    // `next_attempt`: a live record that was released, or whose lease
+    // passed, gets its next attempt within the same lifetime: the token plus
+    // one, when the fingerprints agree (a record acquired without one takes
+    // this one's). Its expiry only moves forward, and a record never expires
+    // under a live lease: expires_at >= lease_expires_at.
+    //
     // READ COMMITTED re-checks the WHERE on the newest row version after
     // waiting for a concurrent writer, so of concurrent takeovers one wins.
-    // A record never expires under a live lease: expires_at >= lease_expires_at.
-    // An expired record starts a new lifetime with a token larger than any
-    // of the old one's (see the migration defining the function): its old
-    // holder may still be running.
+    // (A row that was live in the snapshot stays live: no writer moves an
+    // expiry back. One that expired and was meanwhile taken over by another
+    // statement is live again and no longer this one's: `None`, and the
+    // caller looks again.)
     const SQL: &str = "
-        UPDATE idempotency_records AS r SET
-            state = 'in_progress',
-            fingerprint = CASE WHEN r.expires_at <= now() OR r.fingerprint = ''
-                               THEN $5 ELSE r.fingerprint END,
-            fencing_token = CASE WHEN r.expires_at <= now() THEN idempotency_lifetime_token()
-                                 ELSE r.fencing_token + 1 END,
-            created_at = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END,
-            expires_at = CASE WHEN r.expires_at <= now()
-                              THEN now() + greatest($6::interval, $7::interval)
-                              ELSE greatest(r.expires_at, now() + $7::interval) END,
-            lease_expires_at = now() + $7::interval,
-            completed_at = NULL,
-            response_status = NULL,
-            response_body = NULL,
-            response_headers = NULL,
-            previous_state = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.state END
-        WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
-          AND (r.expires_at <= now()
-               OR ((r.state = 'released' OR (r.state = 'in_progress' AND r.lease_expires_at <= now()))
-                   AND (r.fingerprint = $5 OR r.fingerprint = '' OR $5 = '')))
-        RETURNING fencing_token, lease_expires_at, expires_at, previous_state";
+        WITH expired AS (
+            UPDATE idempotency_records SET
+                state = 'in_progress',
+                fingerprint = $5,
+                fencing_token = idempotency_lifetime_token(),
+                created_at = now(),
+                expires_at = now() + greatest($6::interval, $7::interval),
+                lease_expires_at = now() + $7::interval,
+                completed_at = NULL,
+                response_status = NULL, response_body = NULL, response_headers = NULL,
+                previous_state = NULL
+            WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
+              AND expires_at <= now()
+            RETURNING fencing_token, lease_expires_at, expires_at, previous_state
+        ), next_attempt AS (
+            UPDATE idempotency_records SET
+                state = 'in_progress',
+                fingerprint = CASE WHEN fingerprint = '' THEN $5 ELSE fingerprint END,
+                fencing_token = fencing_token + 1,
+                expires_at = greatest(expires_at, now() + $7::interval),
+                lease_expires_at = now() + $7::interval,
+                completed_at = NULL,
+                response_status = NULL, response_body = NULL, response_headers = NULL,
+                previous_state = state
+            WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
+              AND expires_at > now()
+              AND (state = 'released' OR (state = 'in_progress' AND lease_expires_at <= now()))
+              AND (fingerprint = $5 OR fingerprint = '' OR $5 = '')
+            RETURNING fencing_token, lease_expires_at, expires_at, previous_state
+        )
+        SELECT * FROM expired UNION ALL SELECT * FROM next_attempt";
     let query = sqlx::query_as::<_, AcquiredRow>(SQL)
         .bind(input.id.namespace())
         .bind(input.id.operation())
@@ -298,4 +319,34 @@ pub(super) async fn take_over(
     connection
         .run(|connection| query.fetch_optional(connection))
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(key: &str) -> RecordId {
+        RecordId::parse(
+            "id",
+            "ns".into(),
+            "POST /x".into(),
+            "user".into(),
+            key.into(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_row_maps_back_to_its_input_through_the_key_order() {
+        let ids = [id("key-cccc"), id("key-aaaa"), id("key-bbbb")];
+        let order = KeyOrder::of(ids.iter());
+
+        // The arrays hold aaaa, bbbb, cccc: inputs 1, 2, 0.
+        assert_eq!(order.0, [1, 2, 0]);
+        assert_eq!(order.input(1), Some(1));
+        assert_eq!(order.input(2), Some(2));
+        assert_eq!(order.input(3), Some(0));
+        assert_eq!(order.input(0), None);
+        assert_eq!(order.input(4), None);
+    }
 }
