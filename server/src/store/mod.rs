@@ -2,14 +2,45 @@
 //! no transaction stays open across a caller's business logic. Every time is
 //! the database's `now()`, so replicas of the service agree on leases.
 //!
-//! This module and [`records`] hold the records' hot path ([`batch`] lets
-//! concurrent calls share statements); [`reaper`] deletes expired records,
-//! [`stats`] reads the table's size, [`admin`] serves the operator CLI.
+//! This module (reads, Release, Renew) and [`records`] (Acquire, Complete,
+//! terminal Fail, whose SQL is in [`statements`]) hold the records' hot
+//! path; [`batch`] lets concurrent calls share statements. [`reaper`]
+//! deletes expired records, [`stats`] reads the table's size, [`admin`]
+//! serves the operator CLI.
+//!
+//! # Plans: keys and the `expires_at` index, never the whole table
+//!
+//! Every statement of the service finds its rows by primary key, or (the
+//! reaper, the gauges' oldest expiry) through the `expires_at` index. The
+//! danger is a young table: on a table that has rows but no statistics yet,
+//! the planner may prefer reading the whole table, and a prepared statement
+//! keeps its generic plan (chosen after five runs) until the next ANALYZE,
+//! however much the table grows meanwhile. Three guards keep the plans on
+//! the indexes:
+//!
+//! - the serving pool's sessions plan with `enable_seqscan` and
+//!   `enable_bitmapscan` off ([`crate::db::PoolSettings::index_lookups_only`]);
+//!   the gauges' exact row count of a small table, which no index can
+//!   answer, is the one statement that still scans ([`stats`]);
+//! - the batched Complete writes its expiry check `(r.expires_at > now()) IS
+//!   TRUE`, which no index can serve: with the check written plainly, the
+//!   planner guessed that it keeps a third of a young table's rows and read
+//!   them all through the `expires_at` index rather than look each key up
+//!   ([`statements`], `finish`);
+//! - the `expires_at` index itself (the first migration), so that the
+//!   reaper and the gauges walk it instead of scanning.
+//!
+//! `tests/tests/contract/plans.rs` holds them: on a young table with
+//! autovacuum off, it runs the hot path (Acquire, Complete, replay, a
+//! takeover, Renew, Get) past the switch to generic plans, then checks that
+//! no row was read by a sequential scan and that the `expires_at` index was
+//! not walked beyond a few rows.
 
 pub mod admin;
 pub mod batch;
 pub mod reaper;
 mod records;
+mod statements;
 pub mod stats;
 
 pub use records::{AcquireAttempt, AcquireInput, FinishInput};
@@ -212,12 +243,55 @@ impl RecordRow {
 /// Handle to the records table.
 #[derive(Clone)]
 pub struct Store {
-    pool: PgPool,
-    /// Longest wait for a statement's answer: the pool's statement timeout
-    /// plus [`STATEMENT_MARGIN`].
-    bound: Duration,
+    db: Db,
     /// Group commit for Acquire and Complete/Fail; `None`: one statement per call.
     batchers: Option<Arc<records::Batchers>>,
+}
+
+/// The pool, and how long to wait for a statement's answer on its
+/// connections: the pool's statement timeout plus [`STATEMENT_MARGIN`].
+#[derive(Clone)]
+struct Db {
+    pool: PgPool,
+    bound: Duration,
+}
+
+impl Db {
+    fn new(pool: PgPool) -> Self {
+        Self {
+            bound: statement_bound(&pool),
+            pool,
+        }
+    }
+
+    /// A connection from the pool (see [`Connection`]), timing the wait for
+    /// it. The wait is bounded by the pool's `acquire_timeout`, a new
+    /// connection's handshake included, so a database that accepts
+    /// connections but never answers still gives `PoolTimedOut` in time.
+    async fn connection(&self) -> StoreResult<Connection> {
+        let started = std::time::Instant::now();
+        let connection = self.pool.acquire().await;
+        metrics::histogram!(DB_POOL_WAIT_SECONDS).record(started.elapsed().as_secs_f64());
+        Ok(Connection {
+            inner: Some(connection?),
+            in_statement: false,
+            bound: self.bound,
+        })
+    }
+
+    /// The connection in `kept` (a batch worker's, kept between its
+    /// statements: giving one back to the pool costs a round trip, as sqlx
+    /// checks it with a Sync, and a task), or a new one put there. Once the
+    /// pool is closed (shutdown), a kept connection is closed too, not used.
+    async fn kept<'k>(&self, kept: &'k mut Option<Connection>) -> StoreResult<&'k mut Connection> {
+        if self.pool.is_closed() {
+            *kept = None;
+        }
+        if kept.is_none() {
+            *kept = Some(self.connection().await?);
+        }
+        Ok(kept.as_mut().expect("a connection was just put there"))
+    }
 }
 
 impl std::fmt::Debug for Store {
@@ -252,20 +326,6 @@ pub(crate) fn token(token: FencingToken) -> i64 {
 /// the round trip.
 pub const STATEMENT_MARGIN: Duration = Duration::from_secs(1);
 
-/// A connection from the pool, timing the wait for it. The wait is bounded
-/// by the pool's `acquire_timeout`, a new connection's handshake included,
-/// so a database that accepts connections but never answers still gives
-/// `PoolTimedOut` in time.
-async fn connection(pool: &PgPool) -> StoreResult<Connection> {
-    let started = std::time::Instant::now();
-    let connection = pool.acquire().await;
-    metrics::histogram!(DB_POOL_WAIT_SECONDS).record(started.elapsed().as_secs_f64());
-    Ok(Connection {
-        inner: Some(connection?),
-        in_statement: false,
-    })
-}
-
 /// A pool connection whose statements are bounded on the client side, and
 /// that is closed instead of going back to the pool when a statement on it
 /// did not end: cut short by the bound, or by its caller going away (a
@@ -279,13 +339,14 @@ pub(crate) struct Connection {
     inner: Option<PoolConnection<Postgres>>,
     /// A statement was sent and its answer not yet read in full.
     in_statement: bool,
+    /// Longest wait for a statement's answer.
+    bound: Duration,
 }
 
 impl Connection {
-    /// Runs `statement` on this connection, waiting at most `bound` for it.
+    /// Runs `statement` on this connection, waiting at most its bound for it.
     pub(crate) async fn run<'c, T, F>(
         &'c mut self,
-        bound: Duration,
         statement: impl FnOnce(&'c mut PgConnection) -> F,
     ) -> StoreResult<T>
     where
@@ -294,7 +355,9 @@ impl Connection {
         let Self {
             inner,
             in_statement,
+            bound,
         } = self;
+        let bound = *bound;
         let connection = inner.as_mut().expect("a connection until dropped");
         *in_statement = true;
         let answer = tokio::time::timeout(bound, statement(connection)).await;
@@ -334,8 +397,7 @@ impl Store {
     /// One statement per call.
     pub fn new(pool: PgPool) -> Self {
         Self {
-            bound: statement_bound(&pool),
-            pool,
+            db: Db::new(pool),
             batchers: None,
         }
     }
@@ -343,24 +405,15 @@ impl Store {
     /// Concurrent Acquires, and concurrent Completes and terminal Fails,
     /// share statements (see [`batch`]).
     pub fn with_batching(pool: PgPool, settings: batch::BatchSettings) -> Self {
-        let bound = statement_bound(&pool);
+        let db = Db::new(pool);
         Self {
-            batchers: Some(Arc::new(records::Batchers::spawn(
-                pool.clone(),
-                bound,
-                settings,
-            ))),
-            bound,
-            pool,
+            batchers: Some(Arc::new(records::Batchers::spawn(&db, settings))),
+            db,
         }
     }
 
     pub fn pool(&self) -> &PgPool {
-        &self.pool
-    }
-
-    async fn connection(&self) -> StoreResult<Connection> {
-        connection(&self.pool).await
+        &self.db.pool
     }
 
     /// Reads a record, expired or not, with the database's `now()`.
@@ -376,9 +429,9 @@ impl Store {
             .bind(id.operation())
             .bind(id.subject())
             .bind(id.key());
-        let mut connection = self.connection().await?;
+        let mut connection = self.db.connection().await?;
         connection
-            .run(self.bound, |connection| query.fetch_optional(connection))
+            .run(|connection| query.fetch_optional(connection))
             .await
     }
 
@@ -397,9 +450,9 @@ impl Store {
             .bind(id.subject())
             .bind(id.key())
             .bind(token(fencing_token));
-        let mut connection = self.connection().await?;
+        let mut connection = self.db.connection().await?;
         let result = connection
-            .run(self.bound, |connection| query.execute(connection))
+            .run(|connection| query.execute(connection))
             .await?;
         Ok(result.rows_affected() == 1)
     }
@@ -427,9 +480,9 @@ impl Store {
             .bind(id.key())
             .bind(token(fencing_token))
             .bind(interval(lease));
-        let mut connection = self.connection().await?;
+        let mut connection = self.db.connection().await?;
         connection
-            .run(self.bound, |connection| query.fetch_optional(connection))
+            .run(|connection| query.fetch_optional(connection))
             .await
     }
 }

@@ -67,6 +67,11 @@ async fn a_new_table_is_read_by_key_never_scanned() {
                     ));
                     renew(&mut client, &id, t, 5).await.unwrap_err();
                     get(&mut client, &id).await.unwrap();
+                    // A released key, taken over by the next Acquire.
+                    let id = record_id(&unique_key("plan-retry"));
+                    let t = token(&acquire(&mut client, &id, b"fp").await);
+                    fail(&mut client, &id, t, true, None).await.unwrap();
+                    assert_eq!(token(&acquire(&mut client, &id, b"fp").await), t + 1);
                 }
             })
         })

@@ -1,0 +1,765 @@
+//! The batcher on tokio's paused clock, with a fake statement in memory:
+//! time moves only when every task waits, so each test's timeline is exact.
+
+use std::sync::{
+    Mutex,
+    atomic::{AtomicUsize, Ordering},
+};
+
+use futures_util::future::join_all;
+
+use super::*;
+
+struct Call(RecordId);
+
+impl Batchable for Call {
+    fn record(&self) -> &RecordId {
+        &self.0
+    }
+}
+
+fn call(key: &str) -> Arc<Call> {
+    let id = RecordId::parse(
+        "id",
+        "ns".into(),
+        "POST /x".into(),
+        "user".into(),
+        key.into(),
+    )
+    .unwrap();
+    Arc::new(Call(id))
+}
+
+fn keys(inputs: &[Arc<Call>]) -> Vec<String> {
+    inputs.iter().map(|call| call.0.key().to_owned()).collect()
+}
+
+/// Where a call ran: the number of its statement (counted from 1 in the
+/// order they started) and of the session it ran on; 0 for both alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Ran {
+    statement: usize,
+    session: usize,
+}
+
+const ALONE: Ran = Ran {
+    statement: 0,
+    session: 0,
+};
+
+/// What the fake statement does with the calls it is given.
+#[derive(Clone, Copy)]
+enum Script {
+    /// Answers every call.
+    Answer,
+    /// Passes over calls of keys ending in "-held", answers the others.
+    PassOverHeld,
+    /// Fails whole, with this Postgres error code, when a call's key ends
+    /// in "-held"; answers every call otherwise.
+    FailWhenHeld(&'static str),
+    /// Answers no call at all.
+    AnswerNothing,
+}
+
+/// A numbered session that counts its own end.
+struct Session {
+    number: usize,
+    ended: Arc<AtomicUsize>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.ended.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// A statement in memory that takes `takes` on the paused clock and notes
+/// what it ran.
+struct Fake {
+    script: Script,
+    takes: Duration,
+    opened: AtomicUsize,
+    ended: Arc<AtomicUsize>,
+    /// When each statement started, and the keys of its calls.
+    statements: Mutex<Vec<(Instant, Vec<String>)>>,
+    /// Keys of the calls run alone.
+    alone: Mutex<Vec<String>>,
+}
+
+impl Fake {
+    fn new(script: Script, takes: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            script,
+            takes,
+            opened: AtomicUsize::new(0),
+            ended: Arc::new(AtomicUsize::new(0)),
+            statements: Mutex::default(),
+            alone: Mutex::default(),
+        })
+    }
+
+    fn statements(&self) -> Vec<Vec<String>> {
+        let statements = self.statements.lock().unwrap();
+        statements.iter().map(|(_, keys)| keys.clone()).collect()
+    }
+
+    fn starts(&self) -> Vec<Instant> {
+        let statements = self.statements.lock().unwrap();
+        statements.iter().map(|(start, _)| *start).collect()
+    }
+
+    fn alone(&self) -> Vec<String> {
+        let mut alone = self.alone.lock().unwrap().clone();
+        alone.sort();
+        alone
+    }
+
+    fn ended(&self) -> usize {
+        self.ended.load(Ordering::SeqCst)
+    }
+
+    fn answers(&self, inputs: &[Arc<Call>], ran: Ran) -> StoreResult<Vec<Part<Ran>>> {
+        let held = |call: &Arc<Call>| call.0.key().ends_with("-held");
+        match self.script {
+            Script::Answer => Ok(vec![Part::Done(ran); inputs.len()]),
+            Script::PassOverHeld => Ok(inputs
+                .iter()
+                .map(|call| {
+                    if held(call) {
+                        Part::Alone
+                    } else {
+                        Part::Done(ran)
+                    }
+                })
+                .collect()),
+            Script::FailWhenHeld(code) if inputs.iter().any(held) => {
+                Err(sqlx::Error::Database(Box::new(Coded(code))).into())
+            }
+            Script::FailWhenHeld(_) => Ok(vec![Part::Done(ran); inputs.len()]),
+            Script::AnswerNothing => Ok(Vec::new()),
+        }
+    }
+}
+
+impl Statement for Arc<Fake> {
+    type Input = Call;
+    type Output = Ran;
+    type Session = Session;
+
+    async fn run(
+        &self,
+        session: &mut Option<Session>,
+        inputs: &[Arc<Call>],
+    ) -> StoreResult<Vec<Part<Ran>>> {
+        let session = session.get_or_insert_with(|| Session {
+            number: self.opened.fetch_add(1, Ordering::SeqCst) + 1,
+            ended: self.ended.clone(),
+        });
+        let statement = {
+            let mut statements = self.statements.lock().unwrap();
+            statements.push((Instant::now(), keys(inputs)));
+            statements.len()
+        };
+        tokio::time::sleep(self.takes).await;
+        let ran = Ran {
+            statement,
+            session: session.number,
+        };
+        self.answers(inputs, ran)
+    }
+
+    async fn run_alone(&self, input: Arc<Call>) -> StoreResult<Ran> {
+        self.alone.lock().unwrap().push(input.0.key().to_owned());
+        Ok(ALONE)
+    }
+}
+
+/// A Postgres error with only a code, as the store would see it.
+#[derive(Debug)]
+struct Coded(&'static str);
+
+impl std::fmt::Display for Coded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "error {}", self.0)
+    }
+}
+
+impl std::error::Error for Coded {}
+
+impl sqlx::error::DatabaseError for Coded {
+    fn message(&self) -> &str {
+        "scripted"
+    }
+    fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
+        Some(self.0.into())
+    }
+    fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+    fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+    fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+        self
+    }
+    fn kind(&self) -> sqlx::error::ErrorKind {
+        sqlx::error::ErrorKind::Other
+    }
+}
+
+const TAKES: Duration = Duration::from_millis(10);
+const OVERLAP: Duration = Duration::from_millis(20);
+const MS: Duration = Duration::from_millis(1);
+
+fn settings(workers: usize) -> BatchSettings {
+    BatchSettings {
+        workers,
+        max_size: 64,
+        overlap_after: OVERLAP,
+    }
+}
+
+type Tested = Arc<Batcher<Arc<Fake>>>;
+
+fn spawn(fake: &Arc<Fake>, settings: BatchSettings) -> Tested {
+    Arc::new(Batcher::spawn("test", settings, fake.clone()))
+}
+
+/// One worker running `script`, each statement taking [`TAKES`].
+fn one_worker(script: Script) -> (Tested, Arc<Fake>) {
+    let fake = Fake::new(script, TAKES);
+    (spawn(&fake, settings(1)), fake)
+}
+
+/// Runs a call for `first` and, once its statement runs, calls for `keys`,
+/// which so queue behind it; returns the answers to `keys`, in order.
+async fn run_behind_first(batcher: &Tested, first: &str, keys: &[&str]) -> Vec<StoreResult<Ran>> {
+    let (first, rest) = tokio::join!(batcher.run(call(first)), async {
+        tokio::time::sleep(MS).await;
+        join_all(keys.iter().map(|key| batcher.run(call(key)))).await
+    });
+    first.unwrap();
+    rest
+}
+
+fn statement_numbers(answers: Vec<StoreResult<Ran>>) -> Vec<usize> {
+    answers
+        .into_iter()
+        .map(|answer| answer.unwrap().statement)
+        .collect()
+}
+
+// Batch formation.
+
+#[tokio::test(start_paused = true)]
+async fn a_lone_call_runs_at_once() {
+    let fake = Fake::new(Script::Answer, Duration::ZERO);
+    let batcher = spawn(&fake, settings(2));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let asked = Instant::now();
+
+    let ran = batcher.run(call("key-0001")).await.unwrap();
+
+    assert_eq!(asked.elapsed(), Duration::ZERO);
+    assert_eq!(ran.statement, 1);
+    assert_eq!(fake.statements(), [["key-0001"]]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn calls_queued_while_a_statement_runs_share_the_next_one() {
+    let (batcher, fake) = one_worker(Script::Answer);
+
+    let answers =
+        run_behind_first(&batcher, "key-0000", &["key-0001", "key-0002", "key-0003"]).await;
+
+    assert_eq!(statement_numbers(answers), [2, 2, 2]);
+    assert_eq!(
+        fake.statements(),
+        [vec!["key-0000"], vec!["key-0001", "key-0002", "key-0003"]]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_statement_holds_at_most_max_size_calls() {
+    let fake = Fake::new(Script::Answer, TAKES);
+    let batcher = spawn(
+        &fake,
+        BatchSettings {
+            max_size: 2,
+            ..settings(1)
+        },
+    );
+
+    let keys = ["key-0001", "key-0002", "key-0003", "key-0004", "key-0005"];
+    let answers = run_behind_first(&batcher, "key-0000", &keys).await;
+
+    assert_eq!(statement_numbers(answers), [2, 2, 3, 3, 4]);
+    assert_eq!(
+        fake.statements(),
+        [
+            vec!["key-0000"],
+            vec!["key-0001", "key-0002"],
+            vec!["key-0003", "key-0004"],
+            vec!["key-0005"],
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_record_is_once_in_a_statement_and_its_next_calls_follow_in_order() {
+    let (batcher, fake) = one_worker(Script::Answer);
+
+    let keys = ["key-aaaa", "key-bbbb", "key-aaaa", "key-cccc", "key-aaaa"];
+    let answers = run_behind_first(&batcher, "key-0000", &keys).await;
+
+    assert_eq!(statement_numbers(answers), [2, 2, 3, 2, 4]);
+    assert_eq!(
+        fake.statements(),
+        [
+            vec!["key-0000"],
+            vec!["key-aaaa", "key-bbbb", "key-cccc"],
+            vec!["key-aaaa"],
+            vec!["key-aaaa"],
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn run_all_of_distinct_records_is_one_statement_while_single_calls_queue() {
+    let fake = Fake::new(Script::Answer, TAKES);
+    let batcher = spawn(
+        &fake,
+        BatchSettings {
+            max_size: 4,
+            ..settings(1)
+        },
+    );
+    let group = ["key-g001", "key-g002", "key-g003"];
+    let single = |key: &'static str| batcher.run(call(key));
+
+    // While a statement runs, three single calls queue, then the group,
+    // which no longer fits beside them in a statement of four.
+    let (first, singles, grouped) = tokio::join!(
+        single("key-0000"),
+        async {
+            tokio::time::sleep(MS).await;
+            join_all([single("key-s001"), single("key-s002"), single("key-s003")]).await
+        },
+        async {
+            tokio::time::sleep(MS).await;
+            tokio::task::yield_now().await;
+            batcher
+                .run_all(group.iter().map(|key| call(key)).collect())
+                .await
+        }
+    );
+    first.unwrap();
+
+    assert_eq!(statement_numbers(grouped), [3, 3, 3]);
+    assert_eq!(statement_numbers(singles), [2, 2, 2]);
+    assert_eq!(
+        fake.statements(),
+        [
+            vec!["key-0000"],
+            vec!["key-s001", "key-s002", "key-s003"],
+            vec!["key-g001", "key-g002", "key-g003"],
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn run_all_shares_a_statement_with_single_calls_when_it_fits() {
+    let fake = Fake::new(Script::Answer, TAKES);
+    let batcher = spawn(
+        &fake,
+        BatchSettings {
+            max_size: 4,
+            ..settings(1)
+        },
+    );
+
+    // While a statement runs, a single call, the group, and another single call queue.
+    let (first, before, grouped, after) = tokio::join!(
+        batcher.run(call("key-0000")),
+        async {
+            tokio::time::sleep(MS).await;
+            batcher.run(call("key-s001")).await
+        },
+        async {
+            tokio::time::sleep(MS).await;
+            tokio::task::yield_now().await;
+            let group = ["key-g001", "key-g002"];
+            batcher
+                .run_all(group.iter().map(|key| call(key)).collect())
+                .await
+        },
+        async {
+            tokio::time::sleep(MS).await;
+            for _ in 0..2 {
+                tokio::task::yield_now().await;
+            }
+            batcher.run(call("key-s002")).await
+        },
+    );
+    first.unwrap();
+
+    assert_eq!(statement_numbers(grouped), [2, 2]);
+    assert_eq!(before.unwrap().statement, 2);
+    assert_eq!(after.unwrap().statement, 2);
+    assert_eq!(
+        fake.statements(),
+        [
+            vec!["key-0000"],
+            vec!["key-s001", "key-g001", "key-g002", "key-s002"],
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn run_all_answers_in_input_order_and_defers_a_repeated_record() {
+    let (batcher, fake) = one_worker(Script::Answer);
+
+    let group = ["key-aaaa", "key-bbbb", "key-aaaa"];
+    let answers = batcher
+        .run_all(group.iter().map(|key| call(key)).collect())
+        .await;
+
+    assert_eq!(statement_numbers(answers), [1, 1, 2]);
+    assert_eq!(
+        fake.statements(),
+        [vec!["key-aaaa", "key-bbbb"], vec!["key-aaaa"]]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn run_all_larger_than_max_size_is_split_in_order() {
+    let fake = Fake::new(Script::Answer, TAKES);
+    let batcher = spawn(
+        &fake,
+        BatchSettings {
+            max_size: 2,
+            ..settings(1)
+        },
+    );
+
+    let group = ["key-0001", "key-0002", "key-0003"];
+    let answers = batcher
+        .run_all(group.iter().map(|key| call(key)).collect())
+        .await;
+
+    assert_eq!(statement_numbers(answers), [1, 1, 2]);
+}
+
+// The overlap gate.
+
+#[tokio::test(start_paused = true)]
+async fn a_second_turn_comes_once_the_first_ran_overlap_after() {
+    let running = Arc::new(Running::default());
+    let start = Instant::now();
+
+    let _first = running.claim(OVERLAP).await;
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    let _second = running.claim(OVERLAP).await;
+
+    assert_eq!(start.elapsed(), OVERLAP);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_second_turn_comes_when_the_first_ends() {
+    let running = Arc::new(Running::default());
+    let start = Instant::now();
+    let first = running.claim(OVERLAP).await;
+    let second = tokio::spawn({
+        let running = running.clone();
+        async move {
+            let _turn = running.claim(OVERLAP).await;
+            Instant::now()
+        }
+    });
+
+    tokio::time::sleep(OVERLAP / 4).await;
+    drop(first);
+
+    assert_eq!(second.await.unwrap() - start, OVERLAP / 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn two_waiters_cannot_both_take_the_idle_turn() {
+    let running = Arc::new(Running::default());
+    let start = Instant::now();
+    let first = running.claim(OVERLAP).await;
+    let waiters: Vec<_> = (0..2)
+        .map(|_| {
+            let running = running.clone();
+            tokio::spawn(async move {
+                let _turn = running.claim(OVERLAP).await;
+                let claimed = Instant::now();
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                claimed
+            })
+        })
+        .collect();
+
+    tokio::time::sleep(5 * MS).await;
+    drop(first);
+
+    let mut claimed = Vec::new();
+    for waiter in waiters {
+        claimed.push(waiter.await.unwrap() - start);
+    }
+    claimed.sort();
+    // One takes the idle turn when the first ends; the other overlaps it
+    // only once it ran overlap_after.
+    assert_eq!(claimed, [5 * MS, 5 * MS + OVERLAP]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_second_worker_starts_a_statement_only_once_the_first_is_slow() {
+    // Statements take longer than overlap_after.
+    let fake = Fake::new(Script::Answer, 3 * OVERLAP);
+    let batcher = spawn(&fake, settings(2));
+    let start = Instant::now();
+
+    run_behind_first(&batcher, "key-0000", &["key-0001"]).await;
+
+    let starts: Vec<Duration> = fake.starts().iter().map(|at| *at - start).collect();
+    assert_eq!(starts, [Duration::ZERO, OVERLAP]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_second_worker_waits_for_a_statement_that_is_not_slow() {
+    // Statements end before overlap_after.
+    let fake = Fake::new(Script::Answer, OVERLAP / 2);
+    let batcher = spawn(&fake, settings(2));
+    let start = Instant::now();
+
+    run_behind_first(&batcher, "key-0000", &["key-0001"]).await;
+
+    let starts: Vec<Duration> = fake.starts().iter().map(|at| *at - start).collect();
+    assert_eq!(starts, [Duration::ZERO, OVERLAP / 2]);
+}
+
+// Calls that run alone.
+
+#[tokio::test(start_paused = true)]
+async fn a_call_its_statement_passed_over_runs_alone_and_only_it() {
+    let (batcher, fake) = one_worker(Script::PassOverHeld);
+
+    let answers = run_behind_first(
+        &batcher,
+        "key-0000",
+        &["key-0001", "key-0002-held", "key-0003"],
+    )
+    .await;
+
+    let answers: Vec<Ran> = answers.into_iter().map(Result::unwrap).collect();
+    assert_eq!(answers[1], ALONE);
+    assert!(answers[0] != ALONE && answers[2] != ALONE, "{answers:?}");
+    assert_eq!(fake.alone(), ["key-0002-held"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_run_all_passed_over_runs_alone_and_answers_in_its_place() {
+    let (batcher, fake) = one_worker(Script::PassOverHeld);
+
+    let group = ["key-0001", "key-0002-held", "key-0003"];
+    let answers = batcher
+        .run_all(group.iter().map(|key| call(key)).collect())
+        .await;
+
+    let answers: Vec<Ran> = answers.into_iter().map(Result::unwrap).collect();
+    assert_eq!(answers[1], ALONE);
+    assert!(answers[0] != ALONE && answers[2] != ALONE, "{answers:?}");
+    assert_eq!(fake.alone(), ["key-0002-held"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_statement_failing_for_its_rows_runs_every_call_alone() {
+    for code in ["55P03", "40001", "40P01"] {
+        let (batcher, fake) = one_worker(Script::FailWhenHeld(code));
+
+        let answers = run_behind_first(
+            &batcher,
+            "key-0000",
+            &["key-0001", "key-0002-held", "key-0003"],
+        )
+        .await;
+
+        let answers: Vec<Ran> = answers.into_iter().map(Result::unwrap).collect();
+        assert_eq!(answers, [ALONE, ALONE, ALONE], "{code}");
+        assert_eq!(
+            fake.alone(),
+            ["key-0001", "key-0002-held", "key-0003"],
+            "{code}"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_statement_failing_for_the_database_fails_every_call_and_runs_none_alone() {
+    // 57014: the statement timeout, which says nothing about one row.
+    let (batcher, fake) = one_worker(Script::FailWhenHeld("57014"));
+
+    let answers = run_behind_first(&batcher, "key-0000", &["key-0001", "key-0002-held"]).await;
+
+    assert!(
+        answers
+            .iter()
+            .all(|answer| matches!(answer, Err(StoreError::Unavailable(_)))),
+        "{answers:?}"
+    );
+    assert!(fake.alone().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_statement_failing_for_a_bug_runs_each_call_again_on_its_own() {
+    // 42P01: undefined table, neither the database's health nor a row lock.
+    let (batcher, fake) = one_worker(Script::FailWhenHeld("42P01"));
+
+    let answers = run_behind_first(
+        &batcher,
+        "key-0000",
+        &["key-0001", "key-0002-held", "key-0003"],
+    )
+    .await;
+
+    assert!(answers[0].is_ok() && answers[2].is_ok(), "{answers:?}");
+    assert!(
+        matches!(answers[1], Err(StoreError::Internal(_))),
+        "{answers:?}"
+    );
+    assert_eq!(
+        fake.statements(),
+        [
+            vec!["key-0000"],
+            vec!["key-0001", "key-0002-held", "key-0003"],
+            vec!["key-0001"],
+            vec!["key-0002-held"],
+            vec!["key-0003"],
+        ]
+    );
+    assert!(fake.alone().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_statement_answering_too_few_results_fails_its_calls() {
+    let (batcher, _fake) = one_worker(Script::AnswerNothing);
+
+    let answer = batcher.run(call("key-0001")).await;
+
+    assert!(matches!(answer, Err(StoreError::Corrupt(_))), "{answer:?}");
+}
+
+// Callers that left.
+
+#[tokio::test(start_paused = true)]
+async fn a_call_whose_caller_left_while_it_queued_is_not_run() {
+    let (batcher, fake) = one_worker(Script::Answer);
+    let run = |key: &'static str| {
+        let batcher = batcher.clone();
+        tokio::spawn(async move { batcher.run(call(key)).await })
+    };
+    // The first statement runs; the next calls queue.
+    let first = run("key-0001");
+    tokio::time::sleep(MS).await;
+    let left = run("key-0002");
+    let stays = run("key-0003");
+    tokio::time::sleep(MS).await;
+
+    left.abort();
+
+    first.await.unwrap().unwrap();
+    stays.await.unwrap().unwrap();
+    assert_eq!(fake.statements(), [["key-0001"], ["key-0003"]]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_batch_whose_callers_all_left_runs_no_statement() {
+    let (batcher, fake) = one_worker(Script::Answer);
+    let first = tokio::spawn({
+        let batcher = batcher.clone();
+        async move { batcher.run(call("key-0001")).await }
+    });
+    tokio::time::sleep(MS).await;
+    let left = tokio::spawn({
+        let batcher = batcher.clone();
+        async move { batcher.run(call("key-0002")).await }
+    });
+    tokio::time::sleep(MS).await;
+
+    left.abort();
+
+    first.await.unwrap().unwrap();
+    tokio::time::sleep(TAKES * 10).await;
+    assert_eq!(fake.statements().len(), 1);
+}
+
+// The kept session.
+
+#[tokio::test(start_paused = true)]
+async fn a_worker_keeps_its_session_between_statements() {
+    let (batcher, fake) = one_worker(Script::Answer);
+    for key in ["key-0001", "key-0002", "key-0003"] {
+        assert_eq!(batcher.run(call(key)).await.unwrap().session, 1);
+        tokio::time::sleep(KEEP_IDLE / 2).await;
+    }
+    assert_eq!(fake.ended(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_worker_gives_its_session_back_once_idle() {
+    let (batcher, fake) = one_worker(Script::Answer);
+    assert_eq!(batcher.run(call("key-0001")).await.unwrap().session, 1);
+    tokio::time::sleep(KEEP_IDLE * 2).await;
+    // Given back while waiting, not only when the next call comes.
+    assert_eq!(fake.ended(), 1);
+    assert_eq!(batcher.run(call("key-0002")).await.unwrap().session, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_idle_worker_gives_its_session_back() {
+    // Slow statements, so that the second overlaps the first and each
+    // worker opens a session.
+    let fake = Fake::new(Script::Answer, 3 * OVERLAP);
+    let batcher = spawn(&fake, settings(2));
+    run_behind_first(&batcher, "key-0000", &["key-0001"]).await;
+    assert_eq!(fake.opened.load(Ordering::SeqCst), 2);
+    assert_eq!(fake.ended(), 0);
+
+    tokio::time::sleep(KEEP_IDLE * 2).await;
+
+    assert_eq!(fake.ended(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_busy_worker_still_renews_its_session() {
+    let (batcher, fake) = one_worker(Script::Answer);
+    let mut sessions = Vec::new();
+    let mut elapsed = Duration::ZERO;
+    while elapsed <= KEEP_AT_MOST + KEEP_IDLE {
+        let key = format!("key-{:08}", elapsed.as_millis());
+        sessions.push(batcher.run(call(&key)).await.unwrap().session);
+        tokio::time::sleep(KEEP_IDLE / 2).await;
+        elapsed += KEEP_IDLE / 2;
+    }
+    assert_eq!(sessions.first(), Some(&1));
+    assert_eq!(sessions.last(), Some(&2));
+    assert_eq!(fake.ended(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_statement_gives_its_session_up() {
+    let (batcher, fake) = one_worker(Script::FailWhenHeld("57014"));
+    batcher.run(call("key-0001-held")).await.unwrap_err();
+    assert_eq!(fake.ended(), 1);
+    assert_eq!(batcher.run(call("key-0002")).await.unwrap().session, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_batcher_ends_its_workers_session() {
+    let (batcher, fake) = one_worker(Script::Answer);
+    batcher.run(call("key-0001")).await.unwrap();
+    drop(batcher);
+    tokio::time::sleep(MS).await;
+    assert_eq!(fake.ended(), 1);
+}

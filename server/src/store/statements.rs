@@ -1,0 +1,352 @@
+//! The hot path's SQL: Acquire's insert-or-read and takeover, and Complete /
+//! terminal Fail. Each is one round trip on the connection it is given (a
+//! batch worker's kept one, or one of the call's own). The SQL stays beside
+//! the code that binds its `$n` and reads its rows, with the reasons for
+//! each clause.
+//!
+//! Insert-or-read and finish take any number of calls at once, as arrays in
+//! key order (see [`KeyOrder`]); each row they return carries its input's
+//! place in those arrays (`ord`, from `WITH ORDINALITY`), which maps it back
+//! to its caller.
+
+use std::{sync::Arc, time::Duration};
+
+use sqlx::types::Json;
+
+use super::{
+    AcquiredRow, Connection, RecordRow, StoreResult, interval,
+    records::{AcquireAttempt, AcquireInput, FinishInput},
+    status, token,
+};
+use crate::domain::{RecordId, Timestamp};
+
+/// How long a batch statement's rows may wait for a row another session
+/// holds, before the statement fails (lock timeout, 55P03) and its calls
+/// run again alone. Long enough for the usual wait, another statement's
+/// commit of the same key; short enough that the other calls of the batch
+/// are not held up noticeably.
+pub const BATCH_ROW_WAIT: Duration = Duration::from_millis(100);
+
+/// Whether a statement may wait for rows other sessions hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum RowWait {
+    /// A batch worker's statement: it never waits long for one call's row.
+    Brief,
+    /// A call alone, on a connection of its own: it waits up to the
+    /// statement timeout, as any statement.
+    Full,
+}
+
+impl RowWait {
+    /// The statement's `lock_timeout`; `None` keeps the session's.
+    fn lock_timeout(self) -> Option<String> {
+        match self {
+            Self::Brief => Some(format!("{}ms", BATCH_ROW_WAIT.as_millis())),
+            Self::Full => None,
+        }
+    }
+}
+
+/// Inputs in key order. Every statement touches its rows in this order, so
+/// two concurrent statements sharing records wait for each other instead of
+/// deadlocking.
+struct KeyOrder(Vec<usize>);
+
+impl KeyOrder {
+    fn of<'a>(records: impl Iterator<Item = &'a RecordId>) -> Self {
+        let records: Vec<&RecordId> = records.collect();
+        let mut order: Vec<usize> = (0..records.len()).collect();
+        order.sort_by(|&a, &b| sort_key(records[a]).cmp(&sort_key(records[b])));
+        Self(order)
+    }
+
+    /// One array parameter: `part` of each input, in key order.
+    fn column<'i, T: ?Sized, V>(&self, inputs: &'i [Arc<T>], part: impl Fn(&'i T) -> V) -> Vec<V> {
+        self.0.iter().map(|&i| part(&*inputs[i])).collect()
+    }
+
+    /// The input at `ord`, a row's place (from 1) in the arrays.
+    fn input(&self, ord: i64) -> Option<usize> {
+        let place = usize::try_from(ord).ok()?.checked_sub(1)?;
+        self.0.get(place).copied()
+    }
+}
+
+fn sort_key(id: &RecordId) -> (&str, &str, &str, &str) {
+    (id.namespace(), id.operation(), id.subject(), id.key())
+}
+
+/// A row of the insert-or-read statement: which input, inserted or read.
+#[derive(sqlx::FromRow)]
+struct AttemptRow {
+    ord: i64,
+    inserted: bool,
+    #[sqlx(flatten)]
+    record: RecordRow,
+}
+
+/// Creates each input's record, or reads it when it exists: one round trip,
+/// and no write at all for an existing record. Answers in input order.
+/// (Mostly one SQL statement and the reasons for it.)
+pub(super) async fn insert_or_read(
+    connection: &mut Connection,
+    inputs: &[Arc<AcquireInput>],
+    wait: RowWait,
+) -> StoreResult<Vec<AcquireAttempt>> {
+    // The insert skips existing keys without locking or writing them; the
+    // second branch reads those with the statement's snapshot, which cannot
+    // see this statement's own inserts (and so never reads a key twice). A key
+    // committed by someone else after the snapshot is neither: `Raced`.
+    //
+    // The insert does not wait for a row another session merely locks (FOR
+    // UPDATE, FOR KEY SHARE), but it does wait for another transaction that
+    // inserted, updated or deleted a key it inserts (to know whether the key
+    // will exist), until that one ends (tried on Postgres 15). In a batch
+    // that wait is cut short: `$8` sets `lock_timeout` for this statement's
+    // transaction, evaluated with the first input row, before any insert.
+    // Locks on the table itself are taken before execution, so a table
+    // lock (a migration, an operator's LOCK) still holds the whole
+    // statement up to the statement timeout: that one is no single call's.
+    // `$8` NULL keeps the session's setting.
+    //
+    // The rows are inserted in key order (`ORDER BY ord`: see `KeyOrder`).
+    const SQL: &str = "
+        WITH input AS (
+            SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[],
+                                 $6::interval[], $7::interval[])
+                WITH ORDINALITY AS v(namespace, operation, subject, key, fingerprint, ttl, lease, ord)
+            WHERE set_config('lock_timeout', coalesce($8, current_setting('lock_timeout')), true)
+                  IS NOT NULL
+        ), inserted AS (
+            INSERT INTO idempotency_records
+                (namespace, operation, subject, key, state, fingerprint, fencing_token,
+                 created_at, expires_at, lease_expires_at)
+            SELECT namespace, operation, subject, key, 'in_progress', fingerprint,
+                   idempotency_lifetime_token(),
+                   now(), now() + greatest(ttl, lease), now() + lease
+            FROM input
+            ORDER BY ord
+            ON CONFLICT (namespace, operation, subject, key) DO NOTHING
+            RETURNING namespace, operation, subject, key, state, fingerprint, fencing_token,
+                      created_at, expires_at, lease_expires_at, completed_at,
+                      response_status, response_body, response_headers
+        )
+        SELECT i.ord, true AS inserted, x.state, x.fingerprint, x.fencing_token, x.created_at,
+               x.expires_at, x.lease_expires_at, x.completed_at, x.response_status,
+               x.response_body, x.response_headers, now() AS db_now
+        FROM input i JOIN inserted x USING (namespace, operation, subject, key)
+        UNION ALL
+        SELECT i.ord, false, r.state, r.fingerprint, r.fencing_token, r.created_at,
+               r.expires_at, r.lease_expires_at, r.completed_at, r.response_status,
+               r.response_body, r.response_headers, now()
+        FROM input i JOIN idempotency_records r USING (namespace, operation, subject, key)
+        WHERE NOT EXISTS (SELECT 1 FROM inserted x
+                          WHERE (x.namespace, x.operation, x.subject, x.key)
+                              = (i.namespace, i.operation, i.subject, i.key))";
+    let order = KeyOrder::of(inputs.iter().map(|input| &input.id));
+    let query = sqlx::query_as::<_, AttemptRow>(SQL)
+        .bind(order.column(inputs, |input| input.id.namespace()))
+        .bind(order.column(inputs, |input| input.id.operation()))
+        .bind(order.column(inputs, |input| input.id.subject()))
+        .bind(order.column(inputs, |input| input.id.key()))
+        .bind(order.column(inputs, |input| input.fingerprint.as_bytes()))
+        .bind(order.column(inputs, |input| interval(input.ttl)))
+        .bind(order.column(inputs, |input| interval(input.lease)))
+        .bind(wait.lock_timeout());
+    let rows = connection
+        .run(|connection| query.fetch_all(connection))
+        .await?;
+    Ok(attempts(rows, &order, inputs.len()))
+}
+
+/// Each input's attempt, from the statement's rows; an input without a row
+/// raced.
+fn attempts(rows: Vec<AttemptRow>, order: &KeyOrder, inputs: usize) -> Vec<AcquireAttempt> {
+    let mut attempts: Vec<AcquireAttempt> = (0..inputs).map(|_| AcquireAttempt::Raced).collect();
+    for row in rows {
+        let Some(slot) = order.input(row.ord).and_then(|i| attempts.get_mut(i)) else {
+            continue;
+        };
+        *slot = if row.inserted {
+            AcquireAttempt::Inserted(AcquiredRow::inserted(
+                row.record.fencing_token,
+                row.record.lease_expires_at.unwrap_or(row.record.db_now),
+                row.record.expires_at,
+            ))
+        } else {
+            AcquireAttempt::Existing(row.record)
+        };
+    }
+    attempts
+}
+
+/// Moves each input's live in-progress record, held with its token, to
+/// `completed` or `failed` with its response. Answers in input order: when
+/// it finished, or `None` when no live attempt holds that token. (Mostly one
+/// SQL statement and the reasons for it.)
+pub(super) async fn finish(
+    connection: &mut Connection,
+    inputs: &[Arc<FinishInput>],
+    wait: RowWait,
+) -> StoreResult<Vec<Option<Timestamp>>> {
+    // The expiry check is written `(...) IS TRUE` so that no index can serve
+    // it. On a table too young to have statistics, the planner guesses that
+    // `expires_at > now()` keeps a third of the rows, and a plan reading the
+    // whole table through the `expires_at` index then looks cheaper than a
+    // key lookup per row. A connection keeps its generic plan until the next
+    // ANALYZE, so every Complete scanned the table meanwhile. (See the
+    // store's module docs on plans.)
+    //
+    // In a batch, a row another session holds (a row lock, or another
+    // transaction's uncommitted write) makes the statement fail after
+    // BATCH_ROW_WAIT (`$10` sets `lock_timeout` for this statement's own
+    // transaction, in the input step, before any row is locked; NULL keeps
+    // the session's setting, the statement timeout): its calls then run
+    // alone, each waiting for its own row, so only the held one waits long.
+    // (Locking the rows first with SKIP LOCKED instead isolated a held row
+    // without the wait, but cost every batch a lock record per row and
+    // three lookups of each: 12-15 % of new-key pairs/s at 16 and 64 callers.)
+    const SQL: &str = "
+        WITH v AS (
+            SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[],
+                                 $6::text[], $7::int4[], $8::bytea[], $9::jsonb[])
+                WITH ORDINALITY
+                AS v(namespace, operation, subject, key, token, state, status, body, headers, ord)
+            WHERE set_config('lock_timeout', coalesce($10, current_setting('lock_timeout')), true)
+                  IS NOT NULL
+        )
+        UPDATE idempotency_records AS r
+        SET state = v.state, lease_expires_at = NULL, completed_at = now(),
+            response_status = v.status, response_body = v.body, response_headers = v.headers
+        FROM v
+        WHERE r.namespace = v.namespace AND r.operation = v.operation
+          AND r.subject = v.subject AND r.key = v.key
+          AND r.fencing_token = v.token AND r.state = 'in_progress'
+          AND (r.expires_at > now()) IS TRUE
+        RETURNING v.ord, r.completed_at";
+    let order = KeyOrder::of(inputs.iter().map(|input| &input.id));
+    let query = sqlx::query_as::<_, (i64, Option<Timestamp>)>(SQL)
+        .bind(order.column(inputs, |input| input.id.namespace()))
+        .bind(order.column(inputs, |input| input.id.operation()))
+        .bind(order.column(inputs, |input| input.id.subject()))
+        .bind(order.column(inputs, |input| input.id.key()))
+        .bind(order.column(inputs, |input| token(input.fencing_token)))
+        .bind(order.column(inputs, |input| input.state.as_str()))
+        .bind(order.column(inputs, |input| status(&input.response)))
+        .bind(order.column(inputs, |input| input.response.body.as_slice()))
+        .bind(order.column(inputs, |input| Json(&input.response.headers)))
+        .bind(wait.lock_timeout());
+    let rows = connection
+        .run(|connection| query.fetch_all(connection))
+        .await?;
+    let mut finished = vec![None; inputs.len()];
+    for (ord, completed_at) in rows {
+        if let Some(slot) = order.input(ord).and_then(|i| finished.get_mut(i)) {
+            *slot = completed_at;
+        }
+    }
+    Ok(finished)
+}
+
+/// Takes over a record that expired, was released, or whose lease passed
+/// (when the fingerprints agree). `None`: it is no longer takeable. (Mostly
+/// one SQL statement and the reasons for it.)
+pub(super) async fn take_over(
+    connection: &mut Connection,
+    input: &AcquireInput,
+) -> StoreResult<Option<AcquiredRow>> {
+    // Two cases, one UPDATE each, in one statement and round trip. They see
+    // the same snapshot, in which a record either expired or not, so at most
+    // one of them updates it.
+    //
+    // `expired`: an expired record acts as absent, so it starts a new
+    // lifetime, as if inserted, whatever its state and fingerprint. Its token
+    // is larger than any of the old lifetime's (see the migration defining
+    // the function): its old holder may still be running.
+    //
+    // `next_attempt`: a live record that was released, or whose lease
+    // passed, gets its next attempt within the same lifetime: the token plus
+    // one, when the fingerprints agree (a record acquired without one takes
+    // this one's). Its expiry only moves forward, and a record never expires
+    // under a live lease: expires_at >= lease_expires_at.
+    //
+    // READ COMMITTED re-checks the WHERE on the newest row version after
+    // waiting for a concurrent writer, so of concurrent takeovers one wins.
+    // (A row that was live in the snapshot stays live: no writer moves an
+    // expiry back. One that expired and was meanwhile taken over by another
+    // statement is live again and no longer this one's: `None`, and the
+    // caller looks again.)
+    const SQL: &str = "
+        WITH expired AS (
+            UPDATE idempotency_records SET
+                state = 'in_progress',
+                fingerprint = $5,
+                fencing_token = idempotency_lifetime_token(),
+                created_at = now(),
+                expires_at = now() + greatest($6::interval, $7::interval),
+                lease_expires_at = now() + $7::interval,
+                completed_at = NULL,
+                response_status = NULL, response_body = NULL, response_headers = NULL,
+                previous_state = NULL
+            WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
+              AND expires_at <= now()
+            RETURNING fencing_token, lease_expires_at, expires_at, previous_state
+        ), next_attempt AS (
+            UPDATE idempotency_records SET
+                state = 'in_progress',
+                fingerprint = CASE WHEN fingerprint = '' THEN $5 ELSE fingerprint END,
+                fencing_token = fencing_token + 1,
+                expires_at = greatest(expires_at, now() + $7::interval),
+                lease_expires_at = now() + $7::interval,
+                completed_at = NULL,
+                response_status = NULL, response_body = NULL, response_headers = NULL,
+                previous_state = state
+            WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
+              AND expires_at > now()
+              AND (state = 'released' OR (state = 'in_progress' AND lease_expires_at <= now()))
+              AND (fingerprint = $5 OR fingerprint = '' OR $5 = '')
+            RETURNING fencing_token, lease_expires_at, expires_at, previous_state
+        )
+        SELECT * FROM expired UNION ALL SELECT * FROM next_attempt";
+    let query = sqlx::query_as::<_, AcquiredRow>(SQL)
+        .bind(input.id.namespace())
+        .bind(input.id.operation())
+        .bind(input.id.subject())
+        .bind(input.id.key())
+        .bind(input.fingerprint.as_bytes())
+        .bind(interval(input.ttl))
+        .bind(interval(input.lease));
+    connection
+        .run(|connection| query.fetch_optional(connection))
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(key: &str) -> RecordId {
+        RecordId::parse(
+            "id",
+            "ns".into(),
+            "POST /x".into(),
+            "user".into(),
+            key.into(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_row_maps_back_to_its_input_through_the_key_order() {
+        let ids = [id("key-cccc"), id("key-aaaa"), id("key-bbbb")];
+        let order = KeyOrder::of(ids.iter());
+
+        // The arrays hold aaaa, bbbb, cccc: inputs 1, 2, 0.
+        assert_eq!(order.0, [1, 2, 0]);
+        assert_eq!(order.input(1), Some(1));
+        assert_eq!(order.input(2), Some(2));
+        assert_eq!(order.input(3), Some(0));
+        assert_eq!(order.input(0), None);
+        assert_eq!(order.input(4), None);
+    }
+}
