@@ -239,7 +239,7 @@ mod tests {
 
     use super::*;
     use crate::{
-        domain::{Limits, ValidateResponse},
+        domain::Limits,
         grpc::wire,
     };
 

@@ -486,28 +486,3 @@ impl Store {
             .await
     }
 }
-
-// provisional: replaced by the store branch
-impl Store {
-    /// Insert-or-read for every input, answered in input order; a caller
-    /// passes each record at most once per call. (Provisional: the calls
-    /// start in one poll, so the batcher takes them into one statement.)
-    pub async fn insert_or_read_all(
-        &self,
-        inputs: Vec<Arc<AcquireInput>>,
-    ) -> Vec<StoreResult<AcquireAttempt>> {
-        futures_util::future::join_all(inputs.into_iter().map(|input| self.insert_or_read(input)))
-            .await
-    }
-
-    /// Complete / terminal Fail for every input, answered in input order; a
-    /// caller passes each record at most once per call. (Provisional, as
-    /// [`Self::insert_or_read_all`].)
-    pub async fn finish_all(
-        &self,
-        inputs: Vec<Arc<FinishInput>>,
-    ) -> Vec<StoreResult<Option<Timestamp>>> {
-        futures_util::future::join_all(inputs.into_iter().map(|input| self.finish(input))).await
-    }
-}
-// end provisional
