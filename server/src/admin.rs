@@ -7,7 +7,10 @@
 //! database, or why it deleted nothing. A purge of more than one record is
 //! confirmed first ([`Confirm`]).
 
-use std::io::{BufRead, IsTerminal, Write};
+use std::{
+    io::{BufRead, IsTerminal, Write},
+    time::Duration,
+};
 
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -103,54 +106,10 @@ pub async fn run(
     confirm: &mut impl Confirm,
 ) -> Result<(), AdminError> {
     let answer = match command {
-        AdminCommand::Get(args) => {
-            let id = record_id(args)?;
-            let (row, response_bytes) = admin::get(pool, &id).await?.ok_or(AdminError::NotFound)?;
-            json!({
-                "namespace": id.namespace(),
-                "operation": id.operation(),
-                "subject": id.subject(),
-                "key": id.key(),
-                "state": row.state,
-                "expired": row.is_expired(),
-                "fencing_token": row.fencing_token,
-                "created_at": time(Some(row.created_at)),
-                "expires_at": time(Some(row.expires_at)),
-                "lease_expires_at": time(row.lease_expires_at),
-                "completed_at": time(row.completed_at),
-                "response_status": row.response_status,
-                "response_bytes": response_bytes,
-            })
-        }
+        AdminCommand::Get(args) => get(pool, record_id(args)?).await?,
         AdminCommand::Purge(args) => purge(pool, args, confirm).await?,
-        AdminCommand::Stuck { older_than, limit } => {
-            let records = admin::stuck(pool, older_than, limit).await?;
-            Value::Array(
-                records
-                    .into_iter()
-                    .map(|r| {
-                        json!({
-                            "namespace": r.namespace, "operation": r.operation, "subject": r.subject,
-                            "key": r.key, "fencing_token": r.fencing_token,
-                            "lease_expires_at": time(Some(r.lease_expires_at)),
-                            "created_at": time(Some(r.created_at)),
-                            "expires_at": time(Some(r.expires_at)),
-                        })
-                    })
-                    .collect(),
-            )
-        }
-        AdminCommand::Stats => {
-            let counts = admin::counts(pool).await?;
-            let table = stats::table_stats(pool).await?;
-            json!({
-                "table_bytes": table.total_bytes,
-                "reaper_backlog_seconds": table.reaper_backlog_seconds,
-                "records": counts.into_iter().map(|c| json!({
-                    "namespace": c.namespace, "state": c.state, "live": c.live, "expired": c.expired,
-                })).collect::<Vec<_>>(),
-            })
-        }
+        AdminCommand::Stuck { older_than, limit } => stuck(pool, older_than, limit).await?,
+        AdminCommand::Stats => stats(pool).await?,
     };
     if as_json {
         writeln!(out, "{answer}")?;
@@ -158,6 +117,58 @@ pub async fn run(
         write_text(&answer, out)?;
     }
     Ok(())
+}
+
+/// `admin get`: one record's state, times, token and response size.
+async fn get(pool: &PgPool, id: RecordId) -> Result<Value, AdminError> {
+    let (row, response_bytes) = admin::get(pool, &id).await?.ok_or(AdminError::NotFound)?;
+    Ok(json!({
+        "namespace": id.namespace(),
+        "operation": id.operation(),
+        "subject": id.subject(),
+        "key": id.key(),
+        "state": row.state,
+        "expired": row.is_expired(),
+        "fencing_token": row.fencing_token,
+        "created_at": time(Some(row.created_at)),
+        "expires_at": time(Some(row.expires_at)),
+        "lease_expires_at": time(row.lease_expires_at),
+        "completed_at": time(row.completed_at),
+        "response_status": row.response_status,
+        "response_bytes": response_bytes,
+    }))
+}
+
+/// `admin stuck`: in-progress records whose lease passed `older_than` ago.
+async fn stuck(pool: &PgPool, older_than: Duration, limit: i64) -> Result<Value, AdminError> {
+    let records = admin::stuck(pool, older_than, limit).await?;
+    Ok(Value::Array(
+        records
+            .into_iter()
+            .map(|r| {
+                json!({
+                    "namespace": r.namespace, "operation": r.operation, "subject": r.subject,
+                    "key": r.key, "fencing_token": r.fencing_token,
+                    "lease_expires_at": time(Some(r.lease_expires_at)),
+                    "created_at": time(Some(r.created_at)),
+                    "expires_at": time(Some(r.expires_at)),
+                })
+            })
+            .collect(),
+    ))
+}
+
+/// `admin stats`: records by namespace and state, and the table's size.
+async fn stats(pool: &PgPool) -> Result<Value, AdminError> {
+    let counts = admin::counts(pool).await?;
+    let table = stats::table_stats(pool).await?;
+    Ok(json!({
+        "table_bytes": table.total_bytes,
+        "reaper_backlog_seconds": table.reaper_backlog_seconds,
+        "records": counts.into_iter().map(|c| json!({
+            "namespace": c.namespace, "state": c.state, "live": c.live, "expired": c.expired,
+        })).collect::<Vec<_>>(),
+    }))
 }
 
 /// `admin purge`: one record by its full id, or the records a filter
@@ -171,69 +182,81 @@ async fn purge(
         .operator
         .clone()
         .unwrap_or_else(|| operator_from(|name| std::env::var(name).ok(), process_uid()));
-    let database = database_of(pool);
-    let audit =
-        |namespace: &str, operation: Option<&str>, subject: Option<&str>, key: Option<&str>| {
-            Audit {
-                operator: &operator,
-                database: &database,
-                namespace: namespace.to_owned(),
-                operation: operation.map(str::to_owned),
-                subject: subject.map(str::to_owned),
-                key: key.map(str::to_owned),
-            }
-        };
-    if let (Some(operation), Some(key)) = (&args.operation, &args.key) {
-        let id = RecordId::parse(
-            "record",
-            args.namespace.clone(),
-            operation.clone(),
-            args.subject.clone().unwrap_or_default(),
-            key.clone(),
-        )?;
-        let audit = audit(
-            id.namespace(),
-            Some(id.operation()),
-            Some(id.subject()),
-            Some(id.key()),
-        );
-        let purged = admin::purge(pool, &id).await;
-        match &purged {
-            Ok(purged) => audit.purged(None, u64::from(*purged)),
-            Err(error) => audit.failed(0, error),
+    let who = Operator {
+        name: &operator,
+        database: &database_of(pool),
+    };
+    match (&args.operation, &args.key) {
+        (Some(operation), Some(key)) => {
+            let id = RecordId::parse(
+                "record",
+                args.namespace.clone(),
+                operation.clone(),
+                args.subject.clone().unwrap_or_default(),
+                key.clone(),
+            )?;
+            purge_one(pool, &id, who).await
         }
-        if !purged? {
-            return Err(AdminError::NotFound);
+        _ => {
+            let filter = RecordFilter::parse(
+                "filter",
+                args.namespace,
+                args.operation,
+                args.subject,
+                args.key,
+            )?;
+            purge_matching(pool, &filter, args.yes, who, confirm).await
         }
-        return Ok(json!({
-            "purged": true, "deleted": 1,
-            "namespace": id.namespace(), "operation": id.operation(),
-            "subject": id.subject(), "key": id.key(),
-        }));
     }
+}
 
-    let filter = RecordFilter::parse(
-        "filter",
-        args.namespace,
-        args.operation,
-        args.subject,
-        args.key,
-    )?;
-    let audit = audit(
+/// Purges the record `id`, audited.
+async fn purge_one(pool: &PgPool, id: &RecordId, who: Operator<'_>) -> Result<Value, AdminError> {
+    let audit = who.audit(
+        id.namespace(),
+        Some(id.operation()),
+        Some(id.subject()),
+        Some(id.key()),
+    );
+    let purged = admin::purge(pool, id).await;
+    match &purged {
+        Ok(purged) => audit.purged(None, u64::from(*purged)),
+        Err(error) => audit.failed(0, error),
+    }
+    if !purged? {
+        return Err(AdminError::NotFound);
+    }
+    Ok(json!({
+        "purged": true, "deleted": 1,
+        "namespace": id.namespace(), "operation": id.operation(),
+        "subject": id.subject(), "key": id.key(),
+    }))
+}
+
+/// Purges the records `filter` matches, audited: counted first, and more
+/// than one only when `yes` or the operator confirms.
+async fn purge_matching(
+    pool: &PgPool,
+    filter: &RecordFilter,
+    yes: bool,
+    who: Operator<'_>,
+    confirm: &mut impl Confirm,
+) -> Result<Value, AdminError> {
+    let audit = who.audit(
         filter.namespace(),
         filter.operation(),
         filter.subject(),
         filter.key(),
     );
-    let (matched, counted_at) = admin::count_matching(pool, &filter)
+    let (matched, counted_at) = admin::count_matching(pool, filter)
         .await
         .inspect_err(|error| audit.failed(0, error))?;
     if matched == 0 {
         audit.purged(Some(0), 0);
         return Err(AdminError::NoMatch);
     }
-    if matched > 1 && !args.yes {
-        let refused = match confirm.ask(&question(&filter, matched)) {
+    if matched > 1 && !yes {
+        let refused = match confirm.ask(&question(filter, matched)) {
             Answer::Yes => None,
             Answer::No => Some("the answer was not yes"),
             Answer::NoTerminal => {
@@ -246,14 +269,8 @@ async fn purge(
         }
     }
     let mut deleted = 0;
-    let result = admin::purge_matching(
-        pool,
-        &filter,
-        counted_at,
-        &PurgeLimits::default(),
-        &mut deleted,
-    )
-    .await;
+    let limits = PurgeLimits::default();
+    let result = admin::purge_matching(pool, filter, counted_at, &limits, &mut deleted).await;
     match &result {
         Ok(()) => audit.purged(Some(matched), deleted),
         Err(error) => audit.failed(deleted, error),
@@ -321,6 +338,32 @@ fn database_of(pool: &PgPool) -> String {
         .get_database()
         .unwrap_or_else(|| options.get_username());
     format!("{host}/{database}")
+}
+
+/// Who purges, on which database: what every audit line names.
+#[derive(Clone, Copy)]
+struct Operator<'a> {
+    name: &'a str,
+    database: &'a str,
+}
+
+impl<'a> Operator<'a> {
+    fn audit(
+        self,
+        namespace: &str,
+        operation: Option<&str>,
+        subject: Option<&str>,
+        key: Option<&str>,
+    ) -> Audit<'a> {
+        Audit {
+            operator: self.name,
+            database: self.database,
+            namespace: namespace.to_owned(),
+            operation: operation.map(str::to_owned),
+            subject: subject.map(str::to_owned),
+            key: key.map(str::to_owned),
+        }
+    }
 }
 
 /// The audit line of one purge: who, where, which records.

@@ -1,9 +1,10 @@
 //! The idempotency service. The request path, top to bottom:
 //!
-//! - [`settings`]: command line and environment ([`database_url`]: the
-//!   database URL, checked, and redacted for logs);
-//! - [`startup`]: binds the listeners, wires the parts, runs until a shutdown
-//!   future resolves, then drains;
+//! - [`settings`]: command line and environment, each setting declared once
+//!   ([`database_url`]: the database URL, checked, and redacted for logs);
+//! - [`startup`]: builds everything from the settings (the metrics recorder
+//!   first, the pool, the listeners bound, the parts wired), then serves
+//!   until a shutdown future resolves, and drains;
 //! - [`grpc`]: thin adapters, protobuf in and out, errors mapped to statuses
 //!   in one place ([`grpc::status`]);
 //! - [`engine`]: the rules (acquire, complete, fail, renew, get; leases and fencing),
@@ -14,6 +15,8 @@
 //! Around them: [`security`] (TLS, caller identity, the namespace policy;
 //! applied to calls by `grpc::auth`), [`db`] (pool and migrations), [`health`] (the database probe
 //! behind `grpc.health.v1`), [`telemetry`] (logs and the metrics recorder),
+//! [`metrics`] (the name and HELP text of every metric), [`maintenance`]
+//! (the reaper and the table gauges), [`admin`] (the operator commands),
 //! [`shutdown`] (the process signal).
 #![forbid(unsafe_code)]
 

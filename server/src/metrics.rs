@@ -11,8 +11,22 @@ use std::{
 
 use metrics::{SharedString, Unit, describe_counter, describe_gauge, describe_histogram};
 
+// Calls.
 pub const REQUESTS_TOTAL: &str = "idempotency_requests_total";
 pub const REQUEST_DURATION_SECONDS: &str = "idempotency_request_duration_seconds";
+pub const BATCH_ITEMS: &str = "idempotency_batch_items";
+pub const REQUEST_TIMEOUTS_TOTAL: &str = "idempotency_request_timeouts_total";
+pub const IN_FLIGHT_BYTES: &str = "idempotency_in_flight_bytes";
+pub const IN_FLIGHT_BYTES_LIMIT: &str = "idempotency_in_flight_bytes_limit";
+pub const ADMISSION_REFUSED_TOTAL: &str = "idempotency_admission_refused_total";
+
+// Connections.
+pub const GRPC_CONNECTIONS: &str = "idempotency_grpc_connections";
+pub const GRPC_CONNECTIONS_CLOSED_TOTAL: &str = "idempotency_grpc_connections_closed_total";
+pub const GRPC_CALLS_IN_FLIGHT: &str = "idempotency_grpc_calls_in_flight";
+pub const GRPC_CALLS_REFUSED_TOTAL: &str = "idempotency_grpc_calls_refused_total";
+
+// The database.
 pub const DB_QUERY_DURATION_SECONDS: &str = "idempotency_db_query_duration_seconds";
 pub const DB_POOL_CONNECTIONS: &str = "idempotency_db_pool_connections";
 pub const DB_POOL_MAX_CONNECTIONS: &str = "idempotency_db_pool_max_connections";
@@ -20,14 +34,15 @@ pub const DB_POOL_WAIT_SECONDS: &str = "idempotency_db_pool_wait_seconds";
 pub const DB_BATCH_SIZE: &str = "idempotency_db_batch_size";
 pub const DB_CALLS_ALONE_TOTAL: &str = "idempotency_db_calls_alone_total";
 pub const DB_CONNECTIONS_ABANDONED_TOTAL: &str = "idempotency_db_connections_abandoned_total";
-pub const BATCH_ITEMS: &str = "idempotency_batch_items";
-pub const REPLAY_CACHE_LOOKUPS_TOTAL: &str = "idempotency_replay_cache_lookups_total";
 pub const DATABASE_UP: &str = "idempotency_database_up";
 pub const DATABASE_PROBE_DURATION_SECONDS: &str = "idempotency_database_probe_duration_seconds";
 pub const DATABASE_PROBES_TOTAL: &str = "idempotency_database_probes_total";
-pub const LEASE_TAKEOVERS_TOTAL: &str = "idempotency_lease_takeovers_total";
+
+// Records.
 pub const REPLAYS_TOTAL: &str = "idempotency_replays_total";
+pub const REPLAY_CACHE_LOOKUPS_TOTAL: &str = "idempotency_replay_cache_lookups_total";
 pub const FINGERPRINT_MISMATCHES_TOTAL: &str = "idempotency_fingerprint_mismatches_total";
+pub const LEASE_TAKEOVERS_TOTAL: &str = "idempotency_lease_takeovers_total";
 pub const TABLE_BYTES: &str = "idempotency_table_bytes";
 pub const RECORDS: &str = "idempotency_records";
 pub const REAPER_BACKLOG_SECONDS: &str = "idempotency_reaper_backlog_seconds";
@@ -36,24 +51,46 @@ pub const REAPER_RUNS_TOTAL: &str = "idempotency_reaper_runs_total";
 pub const REAPER_DURATION_SECONDS: &str = "idempotency_reaper_duration_seconds";
 pub const REAPER_LAST_SUCCESS_TIMESTAMP_SECONDS: &str =
     "idempotency_reaper_last_success_timestamp_seconds";
+
+// Security.
 pub const AUTH_MODE: &str = "idempotency_auth_mode";
 pub const AUTH_DENIED_TOTAL: &str = "idempotency_auth_denied_total";
 pub const CONFIG_RELOADS_TOTAL: &str = "idempotency_config_reloads_total";
 pub const CONFIG_FILE_VALID: &str = "idempotency_config_file_valid";
-pub const GRPC_CONNECTIONS: &str = "idempotency_grpc_connections";
-pub const GRPC_CONNECTIONS_CLOSED_TOTAL: &str = "idempotency_grpc_connections_closed_total";
-pub const GRPC_CALLS_IN_FLIGHT: &str = "idempotency_grpc_calls_in_flight";
-pub const GRPC_CALLS_REFUSED_TOTAL: &str = "idempotency_grpc_calls_refused_total";
 pub const TLS_CERTIFICATE_EXPIRY_SECONDS: &str =
     "idempotency_tls_certificate_expiry_timestamp_seconds";
 
-pub const IN_FLIGHT_BYTES: &str = "idempotency_in_flight_bytes";
-pub const IN_FLIGHT_BYTES_LIMIT: &str = "idempotency_in_flight_bytes_limit";
-pub const ADMISSION_REFUSED_TOTAL: &str = "idempotency_admission_refused_total";
-pub const REQUEST_TIMEOUTS_TOTAL: &str = "idempotency_request_timeouts_total";
-
-/// Registers the HELP text of every metric.
+/// Registers the HELP text of every metric, area by area.
 pub fn describe() {
+    describe_calls();
+    describe_connections();
+    describe_database();
+    describe_records();
+    describe_security();
+}
+
+/// The calls: answered, refused before decoding, timed out, and the memory they hold.
+fn describe_calls() {
+    describe_counter!(
+        REQUESTS_TOTAL,
+        "gRPC calls answered, by RPC, outcome (cancelled: the caller went away) and namespace. \
+         Each item of a batch call counts as its unary RPC."
+    );
+    describe_histogram!(
+        REQUEST_DURATION_SECONDS,
+        Unit::Seconds,
+        "Time to answer a gRPC call, by RPC and outcome."
+    );
+    describe_histogram!(
+        BATCH_ITEMS,
+        "Items per BatchAcquire or BatchComplete call, by RPC. Each item also counts in \
+         idempotency_requests_total as its unary RPC (Acquire, Complete)."
+    );
+    describe_counter!(
+        REQUEST_TIMEOUTS_TOTAL,
+        "Calls answered at their deadline (the caller's grpc-timeout or --request-timeout) \
+         before the work behind them finished, by RPC."
+    );
     describe_gauge!(
         IN_FLIGHT_BYTES,
         Unit::Bytes,
@@ -69,34 +106,39 @@ pub fn describe() {
         "Calls refused before their message was decoded, by reason: overloaded (shed at the \
          memory budget), message_too_large, too_many_items, too_many_headers."
     );
-    describe_counter!(
-        REQUEST_TIMEOUTS_TOTAL,
-        "Calls answered at their deadline (the caller's grpc-timeout or --request-timeout) \
-         before the work behind them finished, by RPC."
+}
+
+/// The gRPC port's connections and calls in flight, and their caps.
+fn describe_connections() {
+    describe_gauge!(
+        GRPC_CONNECTIONS,
+        "Client connections open on the gRPC port, those still in their handshake included \
+         (at most --max-connections)."
     );
     describe_counter!(
-        REQUESTS_TOTAL,
-        "gRPC calls answered, by RPC, outcome (cancelled: the caller went away) and namespace. \
-         Each item of a batch call counts as its unary RPC."
+        GRPC_CONNECTIONS_CLOSED_TOTAL,
+        "gRPC port connections the server closed before serving a call, by reason: refused \
+         (--max-connections were open), handshake_timeout (no TLS handshake and HTTP/2 preface \
+         within --handshake-timeout)."
     );
-    describe_histogram!(
-        REQUEST_DURATION_SECONDS,
-        Unit::Seconds,
-        "Time to answer a gRPC call, by RPC and outcome."
+    describe_gauge!(
+        GRPC_CALLS_IN_FLIGHT,
+        "gRPC calls in flight across every connection, until their answer is ready \
+         (at most --max-concurrent-calls)."
     );
+    describe_counter!(
+        GRPC_CALLS_REFUSED_TOTAL,
+        "gRPC calls answered UNAVAILABLE (reason OVERLOADED) at once because \
+         --max-concurrent-calls calls were in flight."
+    );
+}
+
+/// Statements, the pool and group commit; the health probe of the database.
+fn describe_database() {
     describe_histogram!(
         DB_QUERY_DURATION_SECONDS,
         Unit::Seconds,
         "Time of one database statement, by query, including the wait for a connection."
-    );
-    describe_histogram!(
-        BATCH_ITEMS,
-        "Items per BatchAcquire or BatchComplete call, by RPC. Each item also counts in \
-         idempotency_requests_total as its unary RPC (Acquire, Complete)."
-    );
-    describe_counter!(
-        REPLAY_CACHE_LOOKUPS_TOTAL,
-        "Acquires looked up in the in-memory cache of finished records, by result (hit, miss)."
     );
     describe_gauge!(
         DB_POOL_CONNECTIONS,
@@ -142,17 +184,25 @@ pub fn describe() {
         "Health probe rounds by result: success, timeout (no answer: frozen, locked, overloaded) \
          or error (every attempt failed: refused, out of connection slots, authentication)."
     );
-    describe_counter!(
-        LEASE_TAKEOVERS_TOTAL,
-        "Acquires that took over a lease that had passed: a spike means callers crash or leases are too short."
-    );
+}
+
+/// What the records go through: replays, takeovers, the table, the reaper.
+fn describe_records() {
     describe_counter!(
         REPLAYS_TOTAL,
         "Acquires answered with a stored response (completed or failed)."
     );
     describe_counter!(
+        REPLAY_CACHE_LOOKUPS_TOTAL,
+        "Acquires looked up in the in-memory cache of finished records, by result (hit, miss)."
+    );
+    describe_counter!(
         FINGERPRINT_MISMATCHES_TOTAL,
         "Acquires refused because the key was used with another request."
+    );
+    describe_counter!(
+        LEASE_TAKEOVERS_TOTAL,
+        "Acquires that took over a lease that had passed: a spike means callers crash or leases are too short."
     );
     describe_gauge!(
         TABLE_BYTES,
@@ -186,6 +236,10 @@ pub fn describe() {
         Unit::Seconds,
         "Unix time of the last successful reaper run in this process."
     );
+}
+
+/// The security mode, refused callers, and the security files.
+fn describe_security() {
     describe_gauge!(
         AUTH_MODE,
         "1 for the security mode in force: none (no TLS, no auth: anyone who reaches the port \
@@ -204,27 +258,6 @@ pub fn describe() {
         CONFIG_FILE_VALID,
         "1 while the security file on disk is the version in force; 0 when its last change did \
          not parse and an older version serves."
-    );
-    describe_gauge!(
-        GRPC_CONNECTIONS,
-        "Client connections open on the gRPC port, those still in their handshake included \
-         (at most --max-connections)."
-    );
-    describe_counter!(
-        GRPC_CONNECTIONS_CLOSED_TOTAL,
-        "gRPC port connections the server closed before serving a call, by reason: refused \
-         (--max-connections were open), handshake_timeout (no TLS handshake and HTTP/2 preface \
-         within --handshake-timeout)."
-    );
-    describe_gauge!(
-        GRPC_CALLS_IN_FLIGHT,
-        "gRPC calls in flight across every connection, until their answer is ready \
-         (at most --max-concurrent-calls)."
-    );
-    describe_counter!(
-        GRPC_CALLS_REFUSED_TOTAL,
-        "gRPC calls answered UNAVAILABLE (reason OVERLOADED) at once because \
-         --max-concurrent-calls calls were in flight."
     );
     describe_gauge!(
         TLS_CERTIFICATE_EXPIRY_SECONDS,

@@ -19,6 +19,7 @@ use quick_cache::{Weighter, sync::Cache};
 use crate::{
     domain::{AcquireOutcome, Fingerprint, RecordId, Timestamp},
     metrics::REPLAY_CACHE_LOOKUPS_TOTAL,
+    telemetry::MetricsRecorder,
 };
 
 /// Size and freshness of the cache.
@@ -83,9 +84,9 @@ impl std::fmt::Debug for ReplayCache {
 }
 
 impl ReplayCache {
-    /// Build it after the metrics recorder is installed: it registers its
-    /// counters here.
-    pub fn new(settings: ReplayCacheSettings) -> Self {
+    /// Built after the metrics recorder is installed (hence the proof): it
+    /// registers its counters here, once.
+    pub fn new(settings: ReplayCacheSettings, _installed: &MetricsRecorder) -> Self {
         // quick_cache sizes its table from an item estimate: assume small responses.
         let estimated_items = (settings.max_bytes / 1024).clamp(16, 1 << 20) as usize;
         Self {

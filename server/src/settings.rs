@@ -1,14 +1,23 @@
 //! Command line and environment. Every setting has a flag and an
 //! `IDEMPOTENCY_*` variable (the database URL reads `DATABASE_URL`); defaults
 //! show in `--help`; durations read like `30s`, `24h`, `7d`.
+//!
+//! Each setting is declared once, here: [`Settings`] (the flags of `serve`)
+//! is what [`crate::startup::Application::build`] takes, and what the tests
+//! build too ([`Settings::from_flags`], then fields changed). A new setting
+//! is a field here, its use, and its line in the docs.
 
-use std::{net::SocketAddr, path::PathBuf, time::Duration};
+use std::{ffi::OsString, net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
 
 pub use crate::database_url::{DatabaseUrl, DatabaseUrlError};
 use crate::{
-    db::PoolSettings, domain::Limits, maintenance::ReaperSettings, store::reaper::ReapLimits,
+    db::PoolSettings,
+    domain::Limits,
+    maintenance::ReaperSettings,
+    replay_cache::ReplayCacheSettings,
+    store::{batch::BatchSettings, reaper::ReapLimits},
 };
 
 #[derive(Debug, Parser)]
@@ -26,7 +35,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Serve the gRPC API and /metrics (the default).
-    Serve(Box<ServeArgs>),
+    Serve(Box<Settings>),
     /// Apply the database migrations, then exit.
     Migrate(MigrateArgs),
     /// Delete expired records (`--once` for a CronJob), then exit.
@@ -39,13 +48,13 @@ impl Cli {
     /// The command to run: `serve` with its defaults and environment when none is given.
     pub fn into_command(self) -> Command {
         self.command
-            .unwrap_or_else(|| Command::Serve(Box::new(ServeArgs::parse_from(["serve"]))))
+            .unwrap_or_else(|| Command::Serve(Box::new(Settings::parse_from(["serve"]))))
     }
 }
 
 /// The settings of `serve`.
 #[derive(Debug, Clone, Parser)]
-pub struct ServeArgs {
+pub struct Settings {
     #[command(flatten)]
     pub database: DatabaseArgs,
     #[command(flatten)]
@@ -441,7 +450,22 @@ pub struct PurgeArgs {
     pub operator: Option<String>,
 }
 
-impl ServeArgs {
+impl Settings {
+    /// Settings from `flags` (those of `serve`, without the command's name)
+    /// and the defaults, the environment ignored: how the tests build their
+    /// server's settings, whatever variables the shell that runs them holds.
+    pub fn from_flags<I, T>(flags: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString>,
+    {
+        use clap::{CommandFactory, FromArgMatches};
+        let command = Self::command().mut_args(|arg| arg.env(None::<&'static str>));
+        let args =
+            std::iter::once(OsString::from("serve")).chain(flags.into_iter().map(Into::into));
+        Self::from_arg_matches(&command.try_get_matches_from(args)?)
+    }
+
     pub fn limits(&self) -> Limits {
         Limits {
             default_ttl: self.default_ttl,
@@ -452,6 +476,28 @@ impl ServeArgs {
             max_batch_items: self.max_batch_items,
             max_response_headers: self.max_response_headers,
         }
+    }
+
+    /// Group commit; `None`: one statement per call.
+    pub fn batch_settings(&self) -> Option<BatchSettings> {
+        self.batching.then_some(BatchSettings {
+            workers: self.batch_workers,
+            max_size: self.batch_max_size,
+            overlap_after: self.batch_overlap_after,
+        })
+    }
+
+    /// Finished records kept in memory for repeated Acquires; `None`: off.
+    pub fn replay_cache_settings(&self) -> Option<ReplayCacheSettings> {
+        (self.replay_cache_bytes > 0).then_some(ReplayCacheSettings {
+            max_bytes: self.replay_cache_bytes,
+            max_age: self.replay_cache_max_age,
+        })
+    }
+
+    /// The in-process reaper; `None` when a CronJob (or nobody) reaps.
+    pub fn reaper_settings(&self) -> Option<ReaperSettings> {
+        self.reaper_enabled.then(|| self.reaper.settings())
     }
 }
 
@@ -565,7 +611,7 @@ mod tests {
     fn worker_threads_default_to_the_runtime_and_refuse_zero() {
         let serve = |extra: &[&str]| {
             let args = ["serve", "--database-url", "postgres://db/x"];
-            ServeArgs::try_parse_from(args.iter().chain(extra))
+            Settings::try_parse_from(args.iter().chain(extra))
         };
         assert_eq!(serve(&[]).unwrap().worker_threads, None);
         assert_eq!(
@@ -580,7 +626,7 @@ mod tests {
     fn background_periods_and_reaper_limits_refuse_zero() {
         let serve = |extra: &[&str]| {
             let args = ["serve", "--database-url", "postgres://db/x"];
-            ServeArgs::try_parse_from(args.iter().chain(extra))
+            Settings::try_parse_from(args.iter().chain(extra))
         };
         for (flag, zero) in [
             ("--health-check-interval", "0s"),
@@ -615,10 +661,10 @@ mod tests {
     }
 
     /// The `serve` command line alone: the tests run where DATABASE_URL is set.
-    fn serve_without_env(args: &[&str]) -> Result<ServeArgs, clap::Error> {
-        use clap::{CommandFactory, FromArgMatches};
-        let command = ServeArgs::command().mut_args(|arg| arg.env(None::<&'static str>));
-        ServeArgs::from_arg_matches(&command.try_get_matches_from(args)?)
+    fn serve_without_env(args: &[&str]) -> Result<Settings, clap::Error> {
+        let (serve, flags) = args.split_first().expect("the command's name");
+        assert_eq!(*serve, "serve");
+        Settings::from_flags(flags)
     }
 
     #[test]
@@ -659,7 +705,7 @@ mod tests {
     #[test]
     fn help_never_shows_the_database_url() {
         use clap::CommandFactory;
-        let help = ServeArgs::command().render_long_help().to_string();
+        let help = Settings::command().render_long_help().to_string();
         assert!(help.contains("--database-url-file <PATH>"), "{help}");
         // Where the tests run, DATABASE_URL is usually set.
         if let Ok(url) = std::env::var("DATABASE_URL") {

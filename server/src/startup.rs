@@ -1,110 +1,51 @@
-//! Builds the application (listeners bound, engine wired) and runs it until a
-//! shutdown future resolves. Tests bind `127.0.0.1:0` and pass their own future.
+//! Builds the application from its [`Settings`], then runs it until a
+//! shutdown future resolves.
+//!
+//! [`Application::build`] does everything that can fail: it installs the
+//! metrics recorder, opens the pool (migrating first when asked), checks the
+//! settings against each other, loads the security files, binds the
+//! listeners (so it knows its ports: tests bind `127.0.0.1:0`), and wires
+//! the store, engine, replay cache, health and the gRPC stack. Nothing runs
+//! until [`Application::run_until_stopped`], which only serves, then drains.
+//!
+//! Every command opens its database with the functions at the end of this
+//! file ([`database_url`], [`pool`], [`migrate`]).
 
-use std::{future::Future, net::SocketAddr, time::Duration};
+use std::{future::Future, net::SocketAddr, pin::Pin, time::Duration};
 
+use futures_util::future::BoxFuture;
 use metrics_exporter_prometheus::PrometheusHandle;
-use sqlx::PgPool;
-use tokio::net::TcpListener;
+use sqlx::{PgPool, postgres::PgConnectOptions};
+use tokio::{net::TcpListener, sync::oneshot, task::JoinHandle};
 use tonic::transport::{Server, server::TcpIncoming};
-use tonic_health::ServingStatus;
+use tonic_health::{
+    ServingStatus,
+    pb::health_server::{Health, HealthServer},
+    server::HealthReporter,
+};
 
 use crate::{
-    domain::Limits,
+    database_url::{DatabaseUrl, DatabaseUrlError},
+    db,
+    domain::{InvalidField, Limits},
     engine::Engine,
     grpc::{
         GrpcService,
         admission::{AdmissionLayer, MemoryBudget, PER_CALL_BYTES},
         auth::{AuthLayer, Authorizer},
-        connections::{self, ConnectionSettings},
+        connections,
         deadline::DeadlineLayer,
         pb,
         service::IdempotencyServiceServer,
     },
     health, maintenance,
-    maintenance::ReaperSettings,
     metrics::NamespaceLabels,
-    replay_cache::{ReplayCache, ReplayCacheSettings},
-    security::{self, Mode, Security, SecurityConfig},
-    settings::ServeArgs,
+    replay_cache::ReplayCache,
+    security::{self, Mode, Security},
+    settings::{DatabaseArgs, Settings},
     store::{Store, batch::BatchSettings},
-    telemetry,
+    telemetry::MetricsRecorder,
 };
-
-/// What the running server needs beyond the database pool.
-#[derive(Debug, Clone)]
-pub struct ServerConfig {
-    pub grpc_addr: SocketAddr,
-    /// Where to serve `/metrics`; `None` serves no metrics endpoint.
-    pub metrics_addr: Option<SocketAddr>,
-    /// Where to serve grpc.health.v1 alone, in plain text, for probes.
-    pub health_addr: Option<SocketAddr>,
-    /// Serve gRPC reflection.
-    pub reflection: bool,
-    /// TLS, caller identity and the namespace policy.
-    pub security: SecurityConfig,
-    /// Client connections and calls: how many, how soon they greet, HTTP/2 limits.
-    pub connections: ConnectionSettings,
-    pub limits: Limits,
-    /// The longest a call of the service may take, whatever the caller's deadline.
-    pub request_timeout: Duration,
-    /// Memory the calls in flight may hold (messages, replies, a fixed cost
-    /// each); calls past it are shed with UNAVAILABLE.
-    pub max_in_flight_bytes: usize,
-    pub health_check_interval: Duration,
-    pub drain_timeout: Duration,
-    /// The in-process reaper; `None` when a CronJob (or nobody) reaps.
-    pub reaper: Option<ReaperSettings>,
-    /// How often the table gauges are refreshed.
-    pub stats_interval: Duration,
-    /// Distinct namespaces named in metric labels.
-    pub max_metric_namespaces: usize,
-    /// Group commit; `None`: one statement per call.
-    pub batching: Option<BatchSettings>,
-    /// Finished records kept in memory for repeated Acquires; `None`: off.
-    pub replay_cache: Option<ReplayCacheSettings>,
-}
-
-impl ServerConfig {
-    pub fn from_args(args: &ServeArgs) -> Self {
-        Self {
-            grpc_addr: args.grpc_addr,
-            metrics_addr: Some(args.metrics_addr),
-            health_addr: args.health_addr,
-            reflection: args.reflection,
-            security: args.security.config(),
-            connections: args.connections.settings(),
-            limits: args.limits(),
-            request_timeout: args.request_timeout,
-            max_in_flight_bytes: args.max_in_flight_bytes,
-            health_check_interval: args.health_check_interval,
-            drain_timeout: args.drain_timeout,
-            reaper: args.reaper_enabled.then(|| args.reaper.settings()),
-            stats_interval: args.stats_interval,
-            max_metric_namespaces: args.metrics_max_namespaces,
-            batching: args.batching.then_some(BatchSettings {
-                workers: args.batch_workers,
-                max_size: args.batch_max_size,
-                overlap_after: args.batch_overlap_after,
-            }),
-            replay_cache: (args.replay_cache_bytes > 0).then_some(ReplayCacheSettings {
-                max_bytes: args.replay_cache_bytes,
-                max_age: args.replay_cache_max_age,
-            }),
-        }
-    }
-}
-
-/// Background tasks, aborted together when dropped.
-struct BackgroundTasks(Vec<tokio::task::JoinHandle<()>>);
-
-impl Drop for BackgroundTasks {
-    fn drop(&mut self) {
-        for task in &self.0 {
-            task.abort();
-        }
-    }
-}
 
 /// How often the pool's connection counts are published.
 const POOL_GAUGE_INTERVAL: Duration = Duration::from_secs(5);
@@ -117,8 +58,12 @@ const POOL_CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
+    #[error(transparent)]
+    DatabaseUrl(#[from] DatabaseUrlError),
+    #[error("applying migrations")]
+    Migrate(#[source] sqlx::migrate::MigrateError),
     #[error("invalid setting {0}")]
-    Settings(#[from] crate::domain::InvalidField),
+    Settings(#[from] InvalidField),
     #[error("security settings: {0}")]
     Security(#[from] security::SecurityError),
     #[error("binding {addr}")]
@@ -131,6 +76,177 @@ pub enum StartupError {
     Reflection(#[from] tonic_reflection::server::Error),
     #[error("gRPC server")]
     Transport(#[from] tonic::transport::Error),
+}
+
+/// The gRPC server, wired, its listener bound, not yet accepting: started
+/// once, by [`Application::run_until_stopped`], with the signal that stops it.
+type GrpcServer = Box<dyn FnOnce(oneshot::Receiver<()>) -> Serving + Send>;
+type Serving = Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>>;
+
+/// The server, built: every listener bound, every part wired, nothing running.
+pub struct Application {
+    grpc_addr: SocketAddr,
+    metrics_addr: SocketAddr,
+    health_addr: Option<SocketAddr>,
+    security: Security,
+    grpc: GrpcServer,
+    /// Sets the health service's status: NOT_SERVING until the watcher's
+    /// first answer from the database, and for good once draining begins.
+    reporter: HealthReporter,
+    /// Probes the database and reports what it finds; stopped before draining.
+    watcher: BoxFuture<'static, ()>,
+    /// What runs beside the gRPC server until it has drained: the gauges,
+    /// the reaper, the /metrics and health endpoints, the security files' watch.
+    background: Vec<BoxFuture<'static, ()>>,
+    pool: PgPool,
+    drain_timeout: Duration,
+}
+
+impl Application {
+    /// Builds everything `serve` runs, from `settings`; binds the listeners
+    /// but serves nothing until [`Self::run_until_stopped`].
+    pub async fn build(settings: Settings) -> Result<Self, StartupError> {
+        // First: the parts built below register their metric handles once,
+        // when built (the replay cache's counters, the memory budget's and
+        // the security files' gauges), and a handle registered before the
+        // recorder is installed records nowhere. The replay cache takes the
+        // recorder as proof that it comes after.
+        let recorder = MetricsRecorder::install();
+        let pool = serving_pool(&settings.database, settings.migrate).await?;
+        check(&settings, &pool)?;
+        let security = Security::load(&settings.security.config())?;
+        let (grpc_listener, grpc_addr) = bind(settings.grpc_addr).await?;
+        let (metrics_listener, metrics_addr) = bind(settings.metrics_addr).await?;
+        let health_listener = match settings.health_addr {
+            Some(addr) => Some(bind(addr).await?),
+            None => None,
+        };
+        let (reporter, health_service) = health_not_serving().await;
+        let watcher = Box::pin(health::watch_database(
+            pool.connect_options(),
+            reporter.clone(),
+            settings.health_check_interval,
+        ));
+        let api = api(&settings, pool.clone(), &recorder, &security);
+        let grpc = grpc_server(
+            &settings,
+            api,
+            &security,
+            grpc_listener,
+            health_service.clone(),
+        )?;
+        let health_addr = health_listener.as_ref().map(|(_, addr)| *addr);
+        let endpoints = Endpoints {
+            metrics: (metrics_listener, recorder.handle().clone()),
+            health: health_listener.map(|(listener, _)| (listener, health_service)),
+        };
+        Ok(Self {
+            grpc_addr,
+            metrics_addr,
+            health_addr,
+            background: background_tasks(&settings, &pool, &security, endpoints),
+            security,
+            grpc,
+            reporter,
+            watcher,
+            pool,
+            drain_timeout: settings.drain_timeout,
+        })
+    }
+
+    pub fn grpc_addr(&self) -> SocketAddr {
+        self.grpc_addr
+    }
+
+    pub fn health_addr(&self) -> Option<SocketAddr> {
+        self.health_addr
+    }
+
+    pub fn metrics_addr(&self) -> SocketAddr {
+        self.metrics_addr
+    }
+
+    /// Serves until `shutdown` resolves, then drains: health goes NOT_SERVING,
+    /// new connections and calls are refused, in-flight calls get up to
+    /// `--drain-timeout` to finish, and the pool closes.
+    pub async fn run_until_stopped(
+        self,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), StartupError> {
+        let mut watcher = tokio::spawn(self.watcher);
+        let background = BackgroundTasks(self.background.into_iter().map(tokio::spawn).collect());
+        announce(self.grpc_addr, &self.security);
+        let (stop, stopped) = oneshot::channel();
+        let mut server = (self.grpc)(stopped);
+
+        let result = tokio::select! {
+            result = &mut server => result.map_err(StartupError::from),
+            () = shutdown => {
+                // Wait for the watcher to stop: one running on another thread
+                // could otherwise report SERVING after the NOT_SERVING below.
+                watcher.abort();
+                let _ = (&mut watcher).await;
+                health::set(&self.reporter, ServingStatus::NotServing).await;
+                let _ = stop.send(());
+                drain(server, self.drain_timeout).await
+            }
+        };
+        watcher.abort();
+        drop(background);
+        close(&self.pool).await;
+        tracing::info!("stopped");
+        result
+    }
+}
+
+/// Lets the calls in flight finish, for at most `timeout`, once the server
+/// has stopped accepting.
+async fn drain(server: Serving, timeout: Duration) -> Result<(), StartupError> {
+    match tokio::time::timeout(timeout, server).await {
+        Ok(result) => result.map_err(StartupError::from),
+        Err(_) => {
+            tracing::warn!(?timeout, "in-flight calls did not finish in time");
+            Ok(())
+        }
+    }
+}
+
+/// Closes the pool, once the server has drained.
+async fn close(pool: &PgPool) {
+    // Each connection runs in its own task, so calls that outlived the
+    // drain timeout may still hold database connections, and so may the
+    // batch workers serving them (a kept connection is closed at its next
+    // statement or after a second without one): bound the wait for them
+    // too. Returning ends the process, and those calls with it.
+    if tokio::time::timeout(POOL_CLOSE_TIMEOUT, pool.close())
+        .await
+        .is_err()
+    {
+        tracing::warn!("calls still held database connections at exit");
+    }
+}
+
+/// Background tasks, aborted together when dropped.
+struct BackgroundTasks(Vec<JoinHandle<()>>);
+
+impl Drop for BackgroundTasks {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}
+
+/// The settings that can only be wrong together, checked before anything is
+/// bound or loaded.
+fn check(settings: &Settings, pool: &PgPool) -> Result<(), StartupError> {
+    let limits = settings.limits();
+    limits.check()?;
+    check_budget_fits_a_call(&limits, settings.max_in_flight_bytes)?;
+    if let Some(batching) = settings.batch_settings() {
+        check_pool_fits_batching(pool, batching)?;
+    }
+    Ok(())
 }
 
 /// Every batch worker, for Acquire and for Complete, may keep a connection
@@ -153,7 +269,7 @@ fn check_pool_fits_batching(pool: &PgPool, batching: BatchSettings) -> Result<()
         );
         return Ok(());
     }
-    Err(crate::domain::InvalidField::new(
+    Err(InvalidField::new(
         "db_max_connections",
         format!(
             "must be more than {kept} with batching on (each batch worker, for Acquire and for \
@@ -165,250 +281,166 @@ fn check_pool_fits_batching(pool: &PgPool, batching: BatchSettings) -> Result<()
 
 /// Every call the limits allow must fit in the memory budget, or it would
 /// be shed forever.
-fn check_budget_fits_a_call(config: &ServerConfig) -> Result<(), StartupError> {
-    let largest = PER_CALL_BYTES + 2 * config.limits.max_message_bytes();
-    if config.max_in_flight_bytes >= largest {
+fn check_budget_fits_a_call(
+    limits: &Limits,
+    max_in_flight_bytes: usize,
+) -> Result<(), StartupError> {
+    let largest = PER_CALL_BYTES + 2 * limits.max_message_bytes();
+    if max_in_flight_bytes >= largest {
         return Ok(());
     }
-    Err(crate::domain::InvalidField::new(
+    Err(InvalidField::new(
         "max_in_flight_bytes",
         format!(
             "must be at least {largest} bytes, what the largest message the limits allow costs \
              (twice the larger of 4 MiB and twice --max-response-bytes, plus {PER_CALL_BYTES}), \
              got {}",
-            config.max_in_flight_bytes
+            max_in_flight_bytes
         ),
     )
     .into())
 }
 
-pub struct Application {
-    grpc_listener: TcpListener,
-    metrics_listener: Option<TcpListener>,
-    health_listener: Option<TcpListener>,
-    security: Security,
-    store: Store,
-    config: ServerConfig,
+async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), StartupError> {
+    let bound = match TcpListener::bind(addr).await {
+        Ok(listener) => listener.local_addr().map(|local| (listener, local)),
+        Err(error) => Err(error),
+    };
+    bound.map_err(|source| StartupError::Bind { addr, source })
 }
 
-async fn bind(addr: SocketAddr) -> Result<TcpListener, StartupError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| StartupError::Bind { addr, source })
+/// The health service, NOT_SERVING (liveness aside) until the watcher's
+/// first answer from the database.
+async fn health_not_serving() -> (HealthReporter, HealthServer<impl Health>) {
+    let (reporter, service) = tonic_health::server::health_reporter();
+    health::set(&reporter, ServingStatus::NotServing).await;
+    reporter
+        .set_service_status(health::LIVENESS, ServingStatus::Serving)
+        .await;
+    (reporter, service)
 }
 
-impl Application {
-    /// Binds the listeners; nothing is served until [`Self::run_until_stopped`].
-    pub async fn build(config: ServerConfig, pool: PgPool) -> Result<Self, StartupError> {
-        // Install the recorder first: loading the security files records
-        // gauges, and a metric recorded earlier goes nowhere.
-        telemetry::metrics_handle();
-        config.limits.check()?;
-        check_budget_fits_a_call(&config)?;
-        if let Some(batching) = config.batching {
-            check_pool_fits_batching(&pool, batching)?;
-        }
-        let security = Security::load(&config.security)?;
-        let grpc_listener = bind(config.grpc_addr).await?;
-        let metrics_listener = match config.metrics_addr {
-            Some(addr) => Some(bind(addr).await?),
-            None => None,
-        };
-        let health_listener = match config.health_addr {
-            Some(addr) => Some(bind(addr).await?),
-            None => None,
-        };
-        Ok(Self {
-            grpc_listener,
-            metrics_listener,
-            health_listener,
-            security,
-            store: match config.batching {
-                Some(settings) => Store::with_batching(pool, settings),
-                None => Store::new(pool),
-            },
-            config,
-        })
+/// The idempotency API over `pool`: store, engine and replay cache, behind
+/// the authorizer; and its namespace labels, which admission shares.
+fn api(
+    settings: &Settings,
+    pool: PgPool,
+    recorder: &MetricsRecorder,
+    security: &Security,
+) -> (IdempotencyServiceServer<GrpcService>, NamespaceLabels) {
+    let store = match settings.batch_settings() {
+        Some(batching) => Store::with_batching(pool, batching),
+        None => Store::new(pool),
+    };
+    let mut engine = Engine::new(store, settings.limits());
+    if let Some(cache) = settings.replay_cache_settings() {
+        engine = engine.with_replay_cache(ReplayCache::new(cache, recorder));
     }
+    let namespaces = NamespaceLabels::new(settings.metrics_max_namespaces);
+    let authorizer = Authorizer::new(security.auth.clone());
+    let api =
+        IdempotencyServiceServer::new(GrpcService::new(engine, namespaces.clone(), authorizer))
+            .max_decoding_message_size(settings.limits().max_message_bytes());
+    (api, namespaces)
+}
 
-    pub fn grpc_addr(&self) -> SocketAddr {
-        self.grpc_listener
-            .local_addr()
-            .expect("a bound listener has an address")
-    }
-
-    pub fn health_addr(&self) -> Option<SocketAddr> {
-        self.health_listener.as_ref().map(|listener| {
-            listener
-                .local_addr()
-                .expect("a bound listener has an address")
-        })
-    }
-
-    pub fn metrics_addr(&self) -> Option<SocketAddr> {
-        self.metrics_listener.as_ref().map(|listener| {
-            listener
-                .local_addr()
-                .expect("a bound listener has an address")
-        })
-    }
-
-    /// Serves until `shutdown` resolves, then drains: health goes NOT_SERVING,
-    /// new connections and calls are refused, in-flight calls get up to
-    /// `drain_timeout` to finish, and the pool closes.
-    pub async fn run_until_stopped(
-        self,
-        shutdown: impl Future<Output = ()>,
-    ) -> Result<(), StartupError> {
-        let Self {
-            grpc_listener,
-            metrics_listener,
-            health_listener,
-            security,
-            store,
-            config,
-        } = self;
-        let pool = store.pool().clone();
-        // Install the recorder before any task records: a metric recorded
-        // earlier goes nowhere.
-        let metrics = telemetry::metrics_handle();
-
-        let (reporter, health_service) = tonic_health::server::health_reporter();
-        health::set(&reporter, ServingStatus::NotServing).await;
-        reporter
-            .set_service_status(health::LIVENESS, ServingStatus::Serving)
-            .await;
-        let mut watcher = tokio::spawn(health::watch_database(
-            store.pool().connect_options(),
-            reporter.clone(),
-            config.health_check_interval,
-        ));
-        let mut background = vec![
-            tokio::spawn(maintenance::watch_table(
-                pool.clone(),
-                config.stats_interval,
-            )),
-            tokio::spawn(maintenance::watch_pool(pool.clone(), POOL_GAUGE_INTERVAL)),
-        ];
-        if let Some(reaper) = config.reaper.clone() {
-            background.push(tokio::spawn(maintenance::run_reaper(pool.clone(), reaper)));
-        }
-        if let Some(listener) = metrics_listener {
-            background.push(tokio::spawn(serve_metrics(listener, metrics)));
-        }
-        if let Some(listener) = health_listener {
-            background.push(tokio::spawn(serve_health(listener, health_service.clone())));
-        }
-        background.push(tokio::spawn(
-            security.clone().watch(config.security.reload_interval),
-        ));
-        let background = BackgroundTasks(background);
-
-        // v1 for current tools, v1alpha for grpcurl 1.8 and older clients. The
-        // google.rpc types let tools decode the error details we send.
-        let reflection = || {
-            tonic_reflection::server::Builder::configure()
-                .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-                .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
-        };
-        let reflection_v1 = config
-            .reflection
-            .then(|| reflection().build_v1())
-            .transpose()?;
-        let reflection_v1alpha = config
-            .reflection
-            .then(|| reflection().build_v1alpha())
-            .transpose()?;
-
-        let max_message = config.limits.max_message_bytes();
-        let mut engine = Engine::new(store, config.limits.clone());
-        if let Some(settings) = config.replay_cache {
-            engine = engine.with_replay_cache(ReplayCache::new(settings));
-        }
-        let namespaces = NamespaceLabels::new(config.max_metric_namespaces);
-        let authorizer = Authorizer::new(security.auth.clone());
-        let admission = AdmissionLayer::new(
-            config.limits.clone(),
-            MemoryBudget::new(config.max_in_flight_bytes),
-            namespaces.clone(),
-        );
-        let api = IdempotencyServiceServer::new(GrpcService::new(engine, namespaces, authorizer))
-            .max_decoding_message_size(max_message);
-
-        let addr = grpc_listener
-            .local_addr()
-            .map_err(|source| StartupError::Bind {
-                addr: config.grpc_addr,
-                source,
-            })?;
-        announce(addr, &security);
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+/// The gRPC port: its connection limits, then for each call who calls, its
+/// deadline and its admission, in front of health, reflection and the API.
+fn grpc_server(
+    settings: &Settings,
+    (api, namespaces): (IdempotencyServiceServer<GrpcService>, NamespaceLabels),
+    security: &Security,
+    listener: TcpListener,
+    health: HealthServer<impl Health>,
+) -> Result<GrpcServer, StartupError> {
+    let reflection_v1 = settings
+        .reflection
+        .then(|| reflection().build_v1())
+        .transpose()?;
+    let reflection_v1alpha = settings
+        .reflection
+        .then(|| reflection().build_v1alpha())
+        .transpose()?;
+    let admission = AdmissionLayer::new(
+        settings.limits(),
+        MemoryBudget::new(settings.max_in_flight_bytes),
+        namespaces,
+    );
+    let connections = settings.connections.settings();
+    let router = connections
+        .server()
+        .max_connection_age(settings.security.max_connection_age)
+        // Outermost first: who calls (headers only), then the call's
+        // deadline, which also bounds admission's wait for the message.
+        .layer(AuthLayer::new(security.auth.clone()))
+        .layer(DeadlineLayer::new(settings.request_timeout))
+        .layer(admission)
+        .add_service(health)
+        .add_optional_service(reflection_v1)
+        .add_optional_service(reflection_v1alpha)
+        .add_service(api);
+    let gate = connections.gate();
+    let tls = security.tls.clone();
+    Ok(Box::new(move |stop| {
         let stopped = async {
-            let _ = stop_rx.await;
+            let _ = stop.await;
         };
-        let router = config
-            .connections
-            .server()
-            .max_connection_age(config.security.max_connection_age)
-            // Outermost first: who calls (headers only), then the call's
-            // deadline, which also bounds admission's wait for the message.
-            .layer(AuthLayer::new(security.auth.clone()))
-            .layer(DeadlineLayer::new(config.request_timeout))
-            .layer(admission)
-            .add_service(health_service)
-            .add_optional_service(reflection_v1)
-            .add_optional_service(reflection_v1alpha)
-            .add_service(api);
-        let gate = config.connections.gate();
-        let server: std::pin::Pin<
-            Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>,
-        > = match &security.tls {
+        match tls {
             Some(tls) => Box::pin(router.serve_with_incoming_shutdown(
-                security::tls::incoming(grpc_listener, tls.clone(), gate),
+                security::tls::incoming(listener, tls, gate),
                 stopped,
             )),
-            None => Box::pin(router.serve_with_incoming_shutdown(
-                connections::plaintext(grpc_listener, gate),
-                stopped,
-            )),
-        };
-        tokio::pin!(server, shutdown);
-
-        let result = tokio::select! {
-            result = &mut server => result.map_err(StartupError::from),
-            () = &mut shutdown => {
-                // Wait for the watcher to stop: one running on another thread
-                // could otherwise report SERVING after the NOT_SERVING below.
-                watcher.abort();
-                let _ = (&mut watcher).await;
-                health::set(&reporter, ServingStatus::NotServing).await;
-                let _ = stop_tx.send(());
-                match tokio::time::timeout(config.drain_timeout, &mut server).await {
-                    Ok(result) => result.map_err(StartupError::from),
-                    Err(_) => {
-                        tracing::warn!(timeout = ?config.drain_timeout, "in-flight calls did not finish in time");
-                        Ok(())
-                    }
-                }
-            }
-        };
-        watcher.abort();
-        drop(background);
-        // Each connection runs in its own task, so calls that outlived the
-        // drain timeout may still hold database connections, and so may the
-        // batch workers serving them (a kept connection is closed at its next
-        // statement or after a second without one): bound the wait for them
-        // too. Returning ends the process, and those calls with it.
-        if tokio::time::timeout(POOL_CLOSE_TIMEOUT, pool.close())
-            .await
-            .is_err()
-        {
-            tracing::warn!("calls still held database connections at exit");
+            None => Box::pin(
+                router
+                    .serve_with_incoming_shutdown(connections::plaintext(listener, gate), stopped),
+            ),
         }
-        tracing::info!("stopped");
-        result
+    }))
+}
+
+/// Server reflection: v1 for current tools, v1alpha for grpcurl 1.8 and
+/// older clients. The google.rpc types let tools decode the error details
+/// we send.
+fn reflection() -> tonic_reflection::server::Builder<'static> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
+}
+
+/// The HTTP endpoints beside the gRPC port, bound: /metrics with the
+/// recorder it renders, and the plain-text health port when asked for.
+struct Endpoints<H> {
+    metrics: (TcpListener, PrometheusHandle),
+    health: Option<(TcpListener, HealthServer<H>)>,
+}
+
+/// What runs beside the gRPC server, not yet started.
+fn background_tasks<H: Health>(
+    settings: &Settings,
+    pool: &PgPool,
+    security: &Security,
+    endpoints: Endpoints<H>,
+) -> Vec<BoxFuture<'static, ()>> {
+    let mut tasks: Vec<BoxFuture<'static, ()>> = vec![
+        Box::pin(maintenance::watch_table(
+            pool.clone(),
+            settings.stats_interval,
+        )),
+        Box::pin(maintenance::watch_pool(pool.clone(), POOL_GAUGE_INTERVAL)),
+    ];
+    if let Some(reaper) = settings.reaper_settings() {
+        tasks.push(Box::pin(maintenance::run_reaper(pool.clone(), reaper)));
     }
+    let (listener, handle) = endpoints.metrics;
+    tasks.push(Box::pin(serve_metrics(listener, handle)));
+    if let Some((listener, health)) = endpoints.health {
+        tasks.push(Box::pin(serve_health(listener, health)));
+    }
+    tasks.push(Box::pin(
+        security.clone().watch(settings.security.reload_interval),
+    ));
+    tasks
 }
 
 /// Says where the API is served and how exposed it is: loudly when anyone
@@ -443,12 +475,7 @@ fn announce(addr: SocketAddr, security: &Security) {
 }
 
 /// Serves grpc.health.v1 alone, in plain text and without auth, until aborted.
-async fn serve_health(
-    listener: TcpListener,
-    health: tonic_health::pb::health_server::HealthServer<
-        impl tonic_health::pb::health_server::Health,
-    >,
-) {
+async fn serve_health(listener: TcpListener, health: HealthServer<impl Health>) {
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "serving grpc.health.v1 for probes");
     }
@@ -488,4 +515,61 @@ async fn serve_metrics(listener: TcpListener, handle: PrometheusHandle) {
         }
         () = upkeep => {}
     }
+}
+
+/// The serving pool (its statements planned as index lookups), after the
+/// migrations when `--migrate` asks; logs which database, never its password.
+async fn serving_pool(database: &DatabaseArgs, migrate: bool) -> Result<PgPool, StartupError> {
+    let (url, options) = database_url(database)?;
+    tracing::info!(database = %url.redacted(), "starting");
+    let pool = self::pool(database, options.clone(), true);
+    if migrate {
+        self::migrate(database, options).await?;
+        tracing::info!("migrations applied");
+    }
+    Ok(pool)
+}
+
+/// The database URL (read from its file once, at start) and its connect
+/// options. No error quotes the URL or the file's content.
+pub fn database_url(
+    database: &DatabaseArgs,
+) -> Result<(DatabaseUrl, PgConnectOptions), DatabaseUrlError> {
+    let url = database.url()?;
+    let options = url.connect_options()?;
+    Ok((url, options))
+}
+
+/// A pool held to index lookups (serving, reaping), or not: migrations (a
+/// backfill reads every row) and the admin CLI's `stats` read whole tables.
+pub fn pool(
+    database: &DatabaseArgs,
+    options: PgConnectOptions,
+    index_lookups_only: bool,
+) -> PgPool {
+    let settings = db::PoolSettings {
+        index_lookups_only,
+        ..database.pool_settings()
+    };
+    db::pool(options, &settings)
+}
+
+/// Applies the migrations, without the serving pool's statement timeout (5 s
+/// by default), which would cut a long migration or the wait for another
+/// pod's run short.
+pub async fn migrate(
+    database: &DatabaseArgs,
+    options: PgConnectOptions,
+) -> Result<(), StartupError> {
+    let settings = db::PoolSettings {
+        index_lookups_only: false,
+        statement_timeout: database
+            .statement_timeout
+            .max(db::MIGRATION_STATEMENT_TIMEOUT),
+        ..database.pool_settings()
+    };
+    let pool = db::pool(options, &settings);
+    db::migrate(&pool).await.map_err(StartupError::Migrate)?;
+    pool.close().await;
+    Ok(())
 }

@@ -58,6 +58,28 @@ const DURATION_BUCKETS: &[f64] = &[
 /// Calls per statement: powers of two up to the largest batch.
 const BATCH_SIZE_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
 
+/// Proof that the process's metrics recorder is installed, and its handle
+/// (to render `/metrics`).
+///
+/// A metric handle registered before the recorder is installed records
+/// nowhere, for good, and whatever registers its handles once, when it is
+/// built (the replay cache's counters), would silently never count. Such a
+/// part takes a `&MetricsRecorder` in its constructor, so it cannot be built
+/// first.
+#[derive(Clone)]
+pub struct MetricsRecorder(PrometheusHandle);
+
+impl MetricsRecorder {
+    /// Installs the recorder, or finds the one installed (see [`metrics_handle`]).
+    pub fn install() -> Self {
+        Self(metrics_handle())
+    }
+
+    pub fn handle(&self) -> &PrometheusHandle {
+        &self.0
+    }
+}
+
 /// The process-wide Prometheus recorder, installed on first use. A process
 /// has one global recorder, so every server in it (tests start many) shares it.
 pub fn metrics_handle() -> PrometheusHandle {

@@ -55,6 +55,13 @@ impl TestDb {
         }
     }
 
+    /// The URL of this database, as the server's `--database-url` takes it.
+    pub fn url(&self) -> url::Url {
+        let mut url: url::Url = self.admin_url.parse().expect("DATABASE_URL is a URL");
+        url.set_path(&self.name);
+        url
+    }
+
     /// Connection options for this database, e.g. to build the server's own pool.
     pub fn connect_options(&self) -> PgConnectOptions {
         self.options.clone()

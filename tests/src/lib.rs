@@ -1,6 +1,7 @@
 //! Harness for the end-to-end tests: a fresh database per test, the real
-//! server on `127.0.0.1:0`, the generated client, and a TCP proxy that can cut
-//! the server off from Postgres.
+//! server on `127.0.0.1:0`, the generated client ([`spawn_app`] makes the
+//! three), and a TCP proxy that can cut the server off from Postgres.
+//! `TEST_LOG=1` prints the server's log in the test's output.
 
 mod database;
 pub mod http_app;
@@ -8,10 +9,13 @@ mod proxy;
 pub mod raw;
 pub mod security;
 mod server;
+mod test_log;
 
 pub use database::TestDb;
 pub use proxy::TcpProxy;
-pub use server::{TestServer, server_pool, test_config};
+pub use server::{
+    TestApp, TestServer, server_pool, settings_for, spawn_app, spawn_app_with, test_settings,
+};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -105,34 +109,34 @@ pub fn metric_value(page: &str, series: &str) -> Option<f64> {
 /// A server whose database connections go through a [`TcpProxy`], so a test
 /// can cut it off from Postgres and restore it.
 pub async fn server_behind_proxy(db: &TestDb) -> (TestServer, TcpProxy) {
-    server_behind_proxy_with(db, test_config()).await
+    server_behind_proxy_with(db, test_settings(db)).await
 }
 
-/// [`server_behind_proxy`] with settings of the test's own.
+/// [`server_behind_proxy`] with settings of the test's own (their database
+/// URL is replaced by the proxy's).
 pub async fn server_behind_proxy_with(
     db: &TestDb,
-    config: idempotency_server::startup::ServerConfig,
+    mut settings: idempotency_server::settings::Settings,
 ) -> (TestServer, TcpProxy) {
-    server_behind_proxy_with_pool(db, config, &Default::default()).await
+    let mut url = db.url();
+    let upstream = tokio::net::lookup_host((
+        url.host_str().expect("DATABASE_URL names a host"),
+        url.port().unwrap_or(5432),
+    ))
+    .await
+    .unwrap()
+    .next()
+    .unwrap();
+    let proxy = TcpProxy::start(upstream).await;
+    url.set_host(Some("127.0.0.1")).unwrap();
+    url.set_port(Some(proxy.addr.port())).unwrap();
+    settings.database.database_url = Some(database_url(&url));
+    (TestServer::start_with(settings).await, proxy)
 }
 
-/// [`server_behind_proxy_with`], with pool settings of the test's own too
-/// (a short statement timeout, say).
-pub async fn server_behind_proxy_with_pool(
-    db: &TestDb,
-    config: idempotency_server::startup::ServerConfig,
-    pool_settings: &idempotency_server::db::PoolSettings,
-) -> (TestServer, TcpProxy) {
-    let options = db.connect_options();
-    let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
-        .await
-        .unwrap()
-        .next()
-        .unwrap();
-    let proxy = TcpProxy::start(upstream).await;
-    let options = options.host("127.0.0.1").port(proxy.addr.port());
-    let pool = idempotency_server::db::pool(options, pool_settings);
-    (TestServer::start_with(config, pool).await, proxy)
+/// `url` as the server's settings hold it.
+pub fn database_url(url: &url::Url) -> idempotency_server::settings::DatabaseUrl {
+    url.as_str().parse().expect("a test database URL")
 }
 
 /// Locks a record's row in a transaction of the test's own, so that the

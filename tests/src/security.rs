@@ -10,7 +10,7 @@ use std::{
 };
 
 use idempotency_client::pb::idempotency_service_client::IdempotencyServiceClient;
-use idempotency_server::security::{SecurityConfig, credentials::JwtSettings, tls::TlsFiles};
+use idempotency_server::settings::SecurityArgs;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, SanType};
 use tonic::{
     metadata::MetadataValue,
@@ -255,24 +255,18 @@ impl SecurityFiles {
         Self { dir, pki }
     }
 
-    /// TLS with mTLS, JWTs and static tokens all on, files checked every 100 ms.
-    pub fn config(&self) -> SecurityConfig {
-        SecurityConfig {
-            tls: Some(TlsFiles {
-                cert: self.dir.path("tls.crt"),
-                key: self.dir.path("tls.key"),
-                client_ca: Some(self.dir.path("ca.crt")),
-            }),
-            jwt: Some(JwtSettings {
-                jwks: self.dir.path("jwks.json"),
-                issuer: ISSUER.to_owned(),
-                audience: AUDIENCE.to_owned(),
-            }),
-            static_tokens: Some(self.dir.path("tokens.toml")),
-            policy: Some(self.dir.path("policy.toml")),
-            reload_interval: Duration::from_millis(100),
-            ..SecurityConfig::default()
-        }
+    /// Turns on TLS with mTLS, JWTs and static tokens, all with these files,
+    /// checked every 100 ms.
+    pub fn apply(&self, security: &mut SecurityArgs) {
+        security.tls_cert = Some(self.dir.path("tls.crt"));
+        security.tls_key = Some(self.dir.path("tls.key"));
+        security.tls_client_ca = Some(self.dir.path("ca.crt"));
+        security.jwt_jwks = Some(self.dir.path("jwks.json"));
+        security.jwt_issuer = Some(ISSUER.to_owned());
+        security.jwt_audience = Some(AUDIENCE.to_owned());
+        security.static_tokens = Some(self.dir.path("tokens.toml"));
+        security.auth_policy = Some(self.dir.path("policy.toml"));
+        security.reload_interval = Duration::from_millis(100);
     }
 }
 

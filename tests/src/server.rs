@@ -1,10 +1,10 @@
-use std::{net::SocketAddr, time::Duration};
+use std::net::SocketAddr;
 
 use idempotency_client::pb::idempotency_service_client::IdempotencyServiceClient;
 use idempotency_server::{
     db::{self, PoolSettings},
-    domain::Limits,
-    startup::{Application, ServerConfig},
+    settings::Settings,
+    startup::Application,
 };
 use sqlx::{PgPool, postgres::PgConnectOptions};
 use tokio::{sync::oneshot, task::JoinHandle};
@@ -12,34 +12,43 @@ use tonic::transport::Channel;
 
 use crate::TestDb;
 
-/// Settings for a server on a free loopback port, with the contract's default limits.
-pub fn test_config() -> ServerConfig {
-    ServerConfig {
-        grpc_addr: "127.0.0.1:0".parse().unwrap(),
-        metrics_addr: None,
-        health_addr: None,
-        reflection: true,
-        // Auth is opt-in, as for `make run`; the auth tests turn it on.
-        security: idempotency_server::security::SecurityConfig::default(),
-        // As served by default; the connection tests shorten what they test.
-        connections: idempotency_server::grpc::connections::ConnectionSettings::default(),
-        limits: Limits::default(),
-        request_timeout: Duration::from_secs(10),
-        max_in_flight_bytes: 64 * 1024 * 1024,
-        health_check_interval: Duration::from_millis(200),
-        drain_timeout: Duration::from_secs(10),
-        // Tests that need the reaper or the table gauges turn them on.
-        reaper: None,
-        stats_interval: Duration::from_secs(3600),
-        max_metric_namespaces: 200,
-        // The contract holds with group commit on, as served by default.
-        batching: Some(idempotency_server::store::batch::BatchSettings::default()),
-        // And with the replay cache on, as served by default.
-        replay_cache: Some(idempotency_server::replay_cache::ReplayCacheSettings::default()),
-    }
+/// The settings of a test server on `db`: those `idempotencyd serve` runs
+/// with (the environment ignored), but for the ones below.
+pub fn test_settings(db: &TestDb) -> Settings {
+    settings_for(db.url().as_str())
 }
 
-/// A pool built the way `idempotencyd serve` builds it.
+/// [`test_settings`] for the database at `url`.
+///
+/// Everything not named here is as served by default: auth off (as for
+/// `make run`; the auth tests turn it on), group commit and the replay cache
+/// on (the contract holds with both), the connection limits (the connection
+/// tests shorten what they test).
+pub fn settings_for(url: &str) -> Settings {
+    Settings::from_flags([
+        "--database-url",
+        url,
+        // Free loopback ports, which the server reports once bound.
+        "--grpc-addr",
+        "127.0.0.1:0",
+        "--metrics-addr",
+        "127.0.0.1:0",
+        // Health follows the database within a second.
+        "--health-check-interval",
+        "200ms",
+        "--drain-timeout",
+        "10s",
+        // Tests that need the reaper or the table gauges turn them on.
+        "--reaper-enabled",
+        "false",
+        "--stats-interval",
+        "1h",
+    ])
+    .expect("the test settings are valid flags")
+}
+
+/// A pool built the way `idempotencyd serve` builds it, for tests that
+/// drive the store or the engine without a server.
 pub fn server_pool(options: PgConnectOptions) -> PgPool {
     db::pool(options, &PoolSettings::default())
 }
@@ -47,7 +56,7 @@ pub fn server_pool(options: PgConnectOptions) -> PgPool {
 /// The real server, running in this process on its own port.
 pub struct TestServer {
     pub addr: SocketAddr,
-    pub metrics_addr: Option<SocketAddr>,
+    pub metrics_addr: SocketAddr,
     pub health_addr: Option<SocketAddr>,
     pub client: IdempotencyServiceClient<Channel>,
     stop: Option<oneshot::Sender<()>>,
@@ -55,19 +64,15 @@ pub struct TestServer {
 }
 
 impl TestServer {
-    /// Starts a server on `db` with the default test settings and the
-    /// production pool settings.
+    /// Starts a server on `db` with the test settings.
     pub async fn start(db: &TestDb) -> Self {
-        Self::start_with(test_config(), server_pool(db.connect_options())).await
+        Self::start_with(test_settings(db)).await
     }
 
-    /// Starts a server on `db` with `config` and the production pool settings.
-    pub async fn start_config(db: &TestDb, config: ServerConfig) -> Self {
-        Self::start_with(config, server_pool(db.connect_options())).await
-    }
-
-    pub async fn start_with(config: ServerConfig, pool: PgPool) -> Self {
-        let app = Application::build(config, pool).await.expect("binding");
+    /// Starts a server with `settings` (the database among them).
+    pub async fn start_with(settings: Settings) -> Self {
+        crate::test_log::init();
+        let app = Application::build(settings).await.expect("building");
         let addr = app.grpc_addr();
         let metrics_addr = app.metrics_addr();
         let health_addr = app.health_addr();
@@ -132,5 +137,33 @@ impl Drop for TestServer {
         if let Some(task) = self.task.take() {
             task.abort();
         }
+    }
+}
+
+/// What most tests start from: a database of their own, the server on it,
+/// and a client of the server.
+pub struct TestApp {
+    /// On the server's lazy channel; [`TestServer::new_client`] makes more.
+    pub client: IdempotencyServiceClient<Channel>,
+    pub server: TestServer,
+    /// Declared last, so dropped last: the server lets go of it first.
+    pub db: TestDb,
+}
+
+/// A fresh database and the server on it, with the test settings.
+pub async fn spawn_app() -> TestApp {
+    spawn_app_with(|_| {}).await
+}
+
+/// [`spawn_app`], with the test settings changed by `adjust` first.
+pub async fn spawn_app_with(adjust: impl FnOnce(&mut Settings)) -> TestApp {
+    let db = TestDb::new().await;
+    let mut settings = test_settings(&db);
+    adjust(&mut settings);
+    let server = TestServer::start_with(settings).await;
+    TestApp {
+        client: server.client.clone(),
+        server,
+        db,
     }
 }

@@ -238,10 +238,7 @@ mod tests {
     use prost::Message;
 
     use super::*;
-    use crate::{
-        domain::Limits,
-        grpc::wire,
-    };
+    use crate::{domain::Limits, grpc::wire};
 
     fn pb_duration(seconds: i64, nanos: i32) -> Option<prost_types::Duration> {
         Some(prost_types::Duration { seconds, nanos })

@@ -13,11 +13,10 @@ use idempotency_server::{
     engine::Engine,
     grpc::{GrpcService, pb, service::IdempotencyServiceServer},
     metrics::NamespaceLabels,
-    startup::ServerConfig,
     store::Store,
 };
 use idempotency_tests::{
-    TestDb, TestServer, http_get, lock_record, metric_value, test_config, unique_key,
+    TestDb, TestServer, http_get, lock_record, metric_value, spawn_app, spawn_app_with, unique_key,
     wait_for_lock_wait,
 };
 use tokio::sync::Barrier;
@@ -42,17 +41,9 @@ fn batching_client(addr: std::net::SocketAddr) -> Client {
         .unwrap()
 }
 
-async fn server_with_metrics(db: &TestDb) -> TestServer {
-    let config = ServerConfig {
-        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-        ..test_config()
-    };
-    TestServer::start_config(db, config).await
-}
-
 /// Items the server received in batch calls of `rpc`, and how many such calls.
 async fn batched(server: &TestServer, rpc: &str) -> (f64, f64) {
-    let page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
+    let page = http_get(server.metrics_addr, "/metrics").await;
     let series = |suffix: &str| {
         metric_value(
             &page,
@@ -90,9 +81,8 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_calls_of_one_client_share_batches_and_one_holds_each_key() {
-    let db = TestDb::new().await;
-    let server = server_with_metrics(&db).await;
-    let client = batching_client(server.addr);
+    let app = spawn_app().await;
+    let client = batching_client(app.server.addr);
     let same = request("batched-same");
     let response = StoredResponse::new(201, "paid");
 
@@ -137,7 +127,7 @@ async fn concurrent_calls_of_one_client_share_batches_and_one_holds_each_key() {
 
     // And they did travel in batches: fewer calls than items.
     for rpc in ["BatchAcquire", "BatchComplete"] {
-        let (items, calls) = batched(&server, rpc).await;
+        let (items, calls) = batched(&app.server, rpc).await;
         assert!(
             calls >= 1.0 && items > calls,
             "{rpc}: {items} items in {calls} calls"
@@ -147,12 +137,11 @@ async fn concurrent_calls_of_one_client_share_batches_and_one_holds_each_key() {
 
 #[tokio::test]
 async fn calls_made_at_the_same_moment_leave_in_one_request_even_with_slots_free() {
-    let db = TestDb::new().await;
-    let server = server_with_metrics(&db).await;
+    let app = spawn_app().await;
     // The default: four requests of a kind may be on the wire, so each of
     // the first four calls finds a slot free.
     let client = Client::builder()
-        .endpoint(format!("http://{}", server.addr))
+        .endpoint(format!("http://{}", app.server.addr))
         .retry(RetryPolicy::none())
         .connect_lazy()
         .unwrap();
@@ -168,7 +157,7 @@ async fn calls_made_at_the_same_moment_leave_in_one_request_even_with_slots_free
         "{outcomes:?}"
     );
     assert_eq!(
-        batched(&server, "BatchAcquire").await,
+        batched(&app.server, "BatchAcquire").await,
         (CALLS as f64, 1.0),
         "all {CALLS} calls in one BatchAcquire, none alone"
     );
@@ -176,9 +165,8 @@ async fn calls_made_at_the_same_moment_leave_in_one_request_even_with_slots_free
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_bad_call_in_a_batch_fails_alone_with_its_typed_error() {
-    let db = TestDb::new().await;
-    let server = server_with_metrics(&db).await;
-    let client = batching_client(server.addr);
+    let app = spawn_app().await;
+    let client = batching_client(app.server.addr);
 
     let results = all_at_once(|caller| {
         let client = client.clone();
@@ -203,26 +191,25 @@ async fn a_bad_call_in_a_batch_fails_alone_with_its_typed_error() {
             (_, other) => panic!("caller {caller}: unexpected {other:?}"),
         }
     }
-    let (items, calls) = batched(&server, "BatchAcquire").await;
+    let (items, calls) = batched(&app.server, "BatchAcquire").await;
     assert!(items > calls, "{items} items in {calls} calls");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_cancelled_call_hands_its_place_to_the_calls_queued_behind_it() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let client = batching_client(server.addr);
+    let app = spawn_app().await;
+    let client = batching_client(app.server.addr);
     let response = StoredResponse::new(201, "done");
 
     // The first Complete goes alone and hangs on a row lock.
     let stuck = request("batched-stuck");
     let mut stuck_lease = proceed(&client, &stuck).await;
-    let _lock = lock_record(&db, &stuck.id.key).await;
+    let _lock = lock_record(&app.db, &stuck.id.key).await;
     let leader = {
         let response = response.clone();
         tokio::spawn(async move { stuck_lease.complete(&response).await })
     };
-    wait_for_lock_wait(&db).await;
+    wait_for_lock_wait(&app.db).await;
 
     // Completes made meanwhile queue behind it.
     let mut followers = Vec::new();
@@ -249,9 +236,8 @@ async fn a_cancelled_call_hands_its_place_to_the_calls_queued_behind_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_caller_giving_up_does_not_take_down_the_calls_that_joined_its_batch() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let client = batching_client(server.addr);
+    let app = spawn_app().await;
+    let client = batching_client(app.server.addr);
     let response = StoredResponse::new(201, "done");
 
     let mut leases = Vec::new();
@@ -262,7 +248,7 @@ async fn a_caller_giving_up_does_not_take_down_the_calls_that_joined_its_batch()
     }
     // The first caller's record is locked, so the batch carrying all nine
     // Completes waits for the lock.
-    let lock = lock_record(&db, &leases[0].0.id.key).await;
+    let lock = lock_record(&app.db, &leases[0].0.id.key).await;
     let mut leases = leases.into_iter().map(|(_, lease)| lease);
     let mut first = leases.next().unwrap();
     let (gave_up, first_gave_up) = tokio::sync::oneshot::channel();
@@ -284,7 +270,7 @@ async fn a_caller_giving_up_does_not_take_down_the_calls_that_joined_its_batch()
             tokio::join!(first, others).1
         })
     };
-    wait_for_lock_wait(&db).await;
+    wait_for_lock_wait(&app.db).await;
     first_gave_up.await.unwrap();
     drop(lock);
 
@@ -384,16 +370,12 @@ async fn a_server_without_batch_rpcs_is_served_call_by_call() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_server_taking_shorter_batches_gets_shorter_batches() {
-    let db = TestDb::new().await;
-    let mut config = test_config();
-    config.limits.max_batch_items = 4;
-    config.metrics_addr = Some("127.0.0.1:0".parse().unwrap());
-    let server = TestServer::start_config(&db, config).await;
-    let client = batching_client(server.addr);
+    let app = spawn_app_with(|settings| settings.max_batch_items = 4).await;
+    let client = batching_client(app.server.addr);
 
     // Batches the server refused as too long.
     let refused = || async {
-        let page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
+        let page = http_get(app.server.metrics_addr, "/metrics").await;
         metric_value(
             &page,
             "idempotency_request_duration_seconds_count{rpc=\"BatchAcquire\",outcome=\"invalid_argument\"}",
@@ -427,7 +409,7 @@ async fn a_server_taking_shorter_batches_gets_shorter_batches() {
         "refusals after each round: {refused_after_round:?}"
     );
     // And batching went on within the limit.
-    let (items, calls) = batched(&server, "BatchAcquire").await;
+    let (items, calls) = batched(&app.server, "BatchAcquire").await;
     assert!(
         calls >= 1.0 && items > calls,
         "{items} items in {calls} calls"
@@ -499,9 +481,8 @@ fn a_client_outliving_a_runtime_keeps_working() {
 
 #[tokio::test]
 async fn a_caller_that_stops_polling_does_not_hold_up_the_calls_behind_it() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let client = batching_client(server.addr);
+    let app = spawn_app().await;
+    let client = batching_client(app.server.addr);
     proceed(&client, &request("parked-warm-up")).await;
 
     // Polled once, so it leads the next batch, then left alone: as a future
@@ -526,14 +507,13 @@ async fn a_caller_that_stops_polling_does_not_hold_up_the_calls_behind_it() {
 
 #[tokio::test]
 async fn a_batch_over_the_servers_message_limit_is_resent_call_by_call() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
+    let app = spawn_app().await;
     // `max_bytes` far above the server's 4 MiB message limit: eight
     // responses of 900 kB (each within the 1 MiB response limit) leave
     // together, 7 MB in one BatchComplete, which the server's transport
     // refuses as a whole (OUT_OF_RANGE).
     let client = Client::builder()
-        .endpoint(format!("http://{}", server.addr))
+        .endpoint(format!("http://{}", app.server.addr))
         .batching(Some(Batching {
             max_bytes: 64 * 1024 * 1024,
             ..Batching::default()
@@ -565,9 +545,8 @@ async fn a_batch_over_the_servers_message_limit_is_resent_call_by_call() {
 
 #[tokio::test]
 async fn replays_too_large_to_share_a_reply_are_each_answered() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let client = batching_client(server.addr);
+    let app = spawn_app().await;
+    let client = batching_client(app.server.addr);
     let large = StoredResponse::new(200, vec![b'x'; 1_000_000]);
     let request = request("large-replays");
     proceed(&client, &request)

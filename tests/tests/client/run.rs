@@ -11,7 +11,7 @@ use std::{
 use idempotency_client::{
     Failure, OnUnavailable, Ran, RecordState, RunError, RunOptions, StoredResponse,
 };
-use idempotency_tests::{TestDb, TestServer};
+use idempotency_tests::spawn_app;
 
 use crate::support::*;
 
@@ -30,9 +30,8 @@ fn declined_is_final() -> Options {
 
 #[tokio::test]
 async fn the_logic_runs_once_and_duplicates_replay_its_response() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let client = client_of(&server);
+    let app = spawn_app().await;
+    let client = client_of(&app.server);
     let request = request("once");
     let runs = AtomicU32::new(0);
     let work = || async {
@@ -56,9 +55,8 @@ async fn the_logic_runs_once_and_duplicates_replay_its_response() {
 
 #[tokio::test]
 async fn business_errors_are_stored_or_released_as_classified() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let client = client_of(&server);
+    let app = spawn_app().await;
+    let client = client_of(&app.server);
     let declined = request("declined");
     let flaky = request("flaky");
 
@@ -104,9 +102,8 @@ async fn business_errors_are_stored_or_released_as_classified() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panic_in_the_logic_releases_the_key() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let client = client_of(&server);
+    let app = spawn_app().await;
+    let client = client_of(&app.server);
     let request = request("panic");
     let held = Arc::new(AtomicU64::new(0));
 
@@ -133,9 +130,8 @@ async fn a_panic_in_the_logic_releases_the_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_call_releases_the_key() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let client = client_of(&server);
+    let app = spawn_app().await;
+    let client = client_of(&app.server);
     let request = request("cancelled");
 
     let started = std::sync::Arc::new(tokio::sync::Notify::new());
@@ -169,9 +165,8 @@ async fn a_cancelled_call_releases_the_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_takeover_during_the_logic_surfaces_as_lease_lost() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let client = client_of(&server);
+    let app = spawn_app().await;
+    let client = client_of(&app.server);
     let request = request("takeover").with_lease(Duration::from_secs(1));
 
     let slow = tokio::spawn({
@@ -204,9 +199,8 @@ async fn a_takeover_during_the_logic_surfaces_as_lease_lost() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_progress_returns_at_once_or_waits_for_the_outcome_when_asked() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let client = client_of(&server);
+    let app = spawn_app().await;
+    let client = client_of(&app.server);
     let request = request("waiting");
     let first = tokio::spawn({
         let client = client.clone();
@@ -298,9 +292,8 @@ async fn an_unreachable_service_fails_closed_by_default_and_open_when_chosen() {
 
 #[tokio::test]
 async fn a_fingerprint_mismatch_is_its_own_error() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let client = client_of(&server);
+    let app = spawn_app().await;
+    let client = client_of(&app.server);
     let request = request("mismatch");
     client
         .run(&request, &Options::default(), |_| async {
@@ -327,9 +320,8 @@ async fn a_fingerprint_mismatch_is_its_own_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keep_alive_renews_before_a_lease_shorter_than_its_interval_passes() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let client = client_of(&server);
+    let app = spawn_app().await;
+    let client = client_of(&app.server);
     let mut request = request("keep-alive-short-lease");
     // Held for 1 s, renewed to 10 s every 2 s: the first renewal must not
     // wait the 2 s, or the key is free to take over after 1 s.
@@ -370,9 +362,8 @@ async fn keep_alive_renews_before_a_lease_shorter_than_its_interval_passes() {
 
 #[tokio::test]
 async fn a_response_the_service_refuses_is_failed_in_its_place_so_a_retry_never_runs_again() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let client = client_of(&server);
+    let app = spawn_app().await;
+    let client = client_of(&app.server);
     let mut request = request("refused-response");
     request.lease = Some(Duration::from_secs(1));
     let runs = AtomicU32::new(0);

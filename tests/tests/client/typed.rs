@@ -5,15 +5,14 @@ use std::time::Duration;
 use idempotency_client::{
     Acquisition, ClientOptions, Error, RecordState, RetryPolicy, StoredResponse,
 };
-use idempotency_tests::{TestDb, TestServer};
+use idempotency_tests::{TestDb, spawn_app};
 
 use crate::support::*;
 
 #[tokio::test]
 async fn outcomes_arrive_as_domain_types() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let client = client_of(&server);
+    let app = spawn_app().await;
+    let client = client_of(&app.server);
     let request = request("typed");
 
     let mut lease = proceed(&client, &request).await;
@@ -53,9 +52,8 @@ async fn outcomes_arrive_as_domain_types() {
 
 #[tokio::test]
 async fn errors_are_typed_by_code_and_reason() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let client = client_of(&server);
+    let app = spawn_app().await;
+    let client = client_of(&app.server);
     let mut bad = request("bad");
     bad.id.key = "short".into();
 
@@ -85,9 +83,8 @@ async fn errors_are_typed_by_code_and_reason() {
 
 #[tokio::test]
 async fn keep_alive_renews_a_slow_holder_until_it_completes() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let client = client_of(&server);
+    let app = spawn_app().await;
+    let client = client_of(&app.server);
     let request = request("keepalive").with_lease(Duration::from_secs(1));
     let mut lease = proceed(&client, &request).await;
 
@@ -110,9 +107,8 @@ async fn keep_alive_renews_a_slow_holder_until_it_completes() {
 
 #[tokio::test]
 async fn keep_alive_renews_at_least_three_times_a_lease() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let client = client_of(&server);
+    let app = spawn_app().await;
+    let client = client_of(&app.server);
     let request = request("keepalive-often").with_lease(Duration::from_secs(3));
     let mut lease = proceed(&client, &request).await;
     let acquired_until = lease.lease_expires_at();
@@ -175,9 +171,8 @@ async fn lease_end(
 
 #[tokio::test]
 async fn dropping_an_unfinished_lease_releases_the_key() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let client = client_of(&server);
+    let app = spawn_app().await;
+    let client = client_of(&app.server);
     let request = request("dropped");
     let lease = proceed(&client, &request).await;
 

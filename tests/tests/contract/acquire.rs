@@ -1,17 +1,15 @@
 //! Every Acquire outcome, replays, and fingerprints.
 
 use idempotency_client::pb::acquire_response::Outcome;
-use idempotency_tests::{TestDb, TestServer, record_id, response, unique_key};
+use idempotency_tests::{record_id, response, spawn_app, unique_key};
 
 use crate::support::*;
 
 #[tokio::test]
 async fn a_new_key_is_acquired_with_a_token_and_a_lease_inside_its_lifetime() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
 
-    let outcome = acquire(&mut client, &record_id(&unique_key("new")), b"fp").await;
+    let outcome = acquire(&mut app.client, &record_id(&unique_key("new")), b"fp").await;
 
     let Outcome::Acquired(acquired) = outcome else {
         panic!("{outcome:?}")
@@ -25,15 +23,13 @@ async fn a_new_key_is_acquired_with_a_token_and_a_lease_inside_its_lifetime() {
 
 #[tokio::test]
 async fn a_held_key_is_in_progress_at_once_with_a_bounded_retry_hint() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let id = record_id(&unique_key("held"));
-    let Outcome::Acquired(first) = acquire(&mut client, &id, b"fp").await else {
+    let Outcome::Acquired(first) = acquire(&mut app.client, &id, b"fp").await else {
         panic!()
     };
 
-    let outcome = acquire(&mut client, &id, b"fp").await;
+    let outcome = acquire(&mut app.client, &id, b"fp").await;
 
     let Outcome::InProgress(in_progress) = outcome else {
         panic!("{outcome:?}")
@@ -48,20 +44,18 @@ async fn a_held_key_is_in_progress_at_once_with_a_bounded_retry_hint() {
 
 #[tokio::test]
 async fn a_completed_key_replays_status_body_and_headers_byte_for_byte() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let id = record_id(&unique_key("replay"));
-    let token = token(&acquire(&mut client, &id, b"fp").await);
+    let token = token(&acquire(&mut app.client, &id, b"fp").await);
     let mut stored = response(201, "");
     stored.body = (0..=255u8).collect(); // Not UTF-8: bytes must come back as they went in.
     stored.headers.insert("x-unicode".into(), "naïve ✓".into());
-    let completed = complete(&mut client, &id, token, stored.clone())
+    let completed = complete(&mut app.client, &id, token, stored.clone())
         .await
         .unwrap();
 
     for _ in 0..3 {
-        let outcome = acquire(&mut client, &id, b"fp").await;
+        let outcome = acquire(&mut app.client, &id, b"fp").await;
         let Outcome::Completed(replay) = outcome else {
             panic!("{outcome:?}")
         };
@@ -72,17 +66,15 @@ async fn a_completed_key_replays_status_body_and_headers_byte_for_byte() {
 
 #[tokio::test]
 async fn a_terminally_failed_key_replays_the_stored_error() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let id = record_id(&unique_key("failed"));
-    let token = token(&acquire(&mut client, &id, b"fp").await);
+    let token = token(&acquire(&mut app.client, &id, b"fp").await);
     let error = response(402, r#"{"error":"card declined"}"#);
-    fail(&mut client, &id, token, false, Some(error.clone()))
+    fail(&mut app.client, &id, token, false, Some(error.clone()))
         .await
         .unwrap();
 
-    let outcome = acquire(&mut client, &id, b"fp").await;
+    let outcome = acquire(&mut app.client, &id, b"fp").await;
 
     let Outcome::Failed(failed) = outcome else {
         panic!("{outcome:?}")
@@ -93,89 +85,96 @@ async fn a_terminally_failed_key_replays_the_stored_error() {
 
 #[tokio::test]
 async fn a_fingerprint_mismatch_wins_over_every_state_and_changes_nothing() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     // One key per state the record can be in.
     let live = record_id(&unique_key("live"));
     let lapsed = record_id(&unique_key("lapsed"));
     let completed = record_id(&unique_key("completed"));
     let failed = record_id(&unique_key("failed"));
     let released = record_id(&unique_key("released"));
-    token(&acquire(&mut client, &live, b"original").await);
-    token(&acquire_leased(&mut client, &lapsed, b"original", 1).await);
-    let t = token(&acquire(&mut client, &completed, b"original").await);
-    complete(&mut client, &completed, t, response(201, "ok"))
+    token(&acquire(&mut app.client, &live, b"original").await);
+    token(&acquire_leased(&mut app.client, &lapsed, b"original", 1).await);
+    let t = token(&acquire(&mut app.client, &completed, b"original").await);
+    complete(&mut app.client, &completed, t, response(201, "ok"))
         .await
         .unwrap();
-    let t = token(&acquire(&mut client, &failed, b"original").await);
-    fail(&mut client, &failed, t, false, Some(response(400, "bad")))
+    let t = token(&acquire(&mut app.client, &failed, b"original").await);
+    fail(
+        &mut app.client,
+        &failed,
+        t,
+        false,
+        Some(response(400, "bad")),
+    )
+    .await
+    .unwrap();
+    let t = token(&acquire(&mut app.client, &released, b"original").await);
+    fail(&mut app.client, &released, t, true, None)
         .await
         .unwrap();
-    let t = token(&acquire(&mut client, &released, b"original").await);
-    fail(&mut client, &released, t, true, None).await.unwrap();
     wait_past(1).await; // `lapsed`'s lease has now passed: it would be taken over.
 
     for id in [&live, &lapsed, &completed, &failed, &released] {
-        let before = get(&mut client, id).await.unwrap();
+        let before = get(&mut app.client, id).await.unwrap();
 
-        let outcome = acquire(&mut client, id, b"different").await;
+        let outcome = acquire(&mut app.client, id, b"different").await;
 
         assert!(
             matches!(outcome, Outcome::FingerprintMismatch(_)),
             "{}: {outcome:?}",
             id.key
         );
-        assert_eq!(get(&mut client, id).await.unwrap(), before, "{}", id.key);
+        assert_eq!(
+            get(&mut app.client, id).await.unwrap(),
+            before,
+            "{}",
+            id.key
+        );
     }
 }
 
 #[tokio::test]
 async fn an_empty_fingerprint_is_never_a_mismatch() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let stored_with_one = record_id(&unique_key("with"));
     let stored_without = record_id(&unique_key("without"));
-    let t = token(&acquire(&mut client, &stored_with_one, b"original").await);
-    complete(&mut client, &stored_with_one, t, response(201, "a"))
+    let t = token(&acquire(&mut app.client, &stored_with_one, b"original").await);
+    complete(&mut app.client, &stored_with_one, t, response(201, "a"))
         .await
         .unwrap();
-    token(&acquire(&mut client, &stored_without, b"").await);
+    token(&acquire(&mut app.client, &stored_without, b"").await);
 
     // Asking without a fingerprint replays; asking with one on a record made without is no mismatch.
     assert!(matches!(
-        acquire(&mut client, &stored_with_one, b"").await,
+        acquire(&mut app.client, &stored_with_one, b"").await,
         Outcome::Completed(_)
     ));
     assert!(matches!(
-        acquire(&mut client, &stored_without, b"anything").await,
+        acquire(&mut app.client, &stored_without, b"anything").await,
         Outcome::InProgress(_)
     ));
     assert!(matches!(
-        acquire(&mut client, &stored_without, b"").await,
+        acquire(&mut app.client, &stored_without, b"").await,
         Outcome::InProgress(_)
     ));
 }
 
 #[tokio::test]
 async fn a_takeover_keeps_the_first_fingerprint() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let id = record_id(&unique_key("keep"));
-    let first = token(&acquire_leased(&mut client, &id, b"original", 1).await);
+    let first = token(&acquire_leased(&mut app.client, &id, b"original", 1).await);
     wait_past(1).await;
 
     // Taking over without a fingerprint does not erase the stored one.
-    assert!(token(&acquire(&mut client, &id, b"").await) > first);
+    assert!(token(&acquire(&mut app.client, &id, b"").await) > first);
 
     assert_eq!(
-        get(&mut client, &id).await.unwrap().fingerprint,
+        get(&mut app.client, &id).await.unwrap().fingerprint,
         b"original"
     );
     assert!(matches!(
-        acquire(&mut client, &id, b"different").await,
+        acquire(&mut app.client, &id, b"different").await,
         Outcome::FingerprintMismatch(_)
     ));
 }

@@ -7,26 +7,24 @@ use idempotency_server::{
     admin::{self, Answer},
     settings::{AdminCommand, PurgeArgs},
 };
-use idempotency_tests::{TestDb, TestServer, insert_records, record_id, response, unique_key};
+use idempotency_tests::{TestDb, insert_records, record_id, response, spawn_app, unique_key};
 
 use crate::support::*;
 
 #[tokio::test]
 async fn get_shows_a_record_for_people_and_for_scripts() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let id = record_id(&unique_key("admin-get"));
-    let t = token(&acquire(&mut client, &id, b"fp").await);
-    complete(&mut client, &id, t, response(201, "0123456789"))
+    let t = token(&acquire(&mut app.client, &id, b"fp").await);
+    complete(&mut app.client, &id, t, response(201, "0123456789"))
         .await
         .unwrap();
 
-    let text = run_admin(&db, AdminCommand::Get(id_args(&id)), false)
+    let text = run_admin(&app.db, AdminCommand::Get(id_args(&id)), false)
         .await
         .unwrap();
     let json: serde_json::Value = serde_json::from_str(
-        &run_admin(&db, AdminCommand::Get(id_args(&id)), true)
+        &run_admin(&app.db, AdminCommand::Get(id_args(&id)), true)
             .await
             .unwrap(),
     )
@@ -42,7 +40,7 @@ async fn get_shows_a_record_for_people_and_for_scripts() {
     // 10 body bytes + content-type/application/json + location//payments/42
     assert_eq!(json["response_bytes"], 10 + 12 + 16 + 8 + 12);
     let missing = run_admin(
-        &db,
+        &app.db,
         AdminCommand::Get(id_args(&record_id("no-such-key"))),
         false,
     )
@@ -52,17 +50,19 @@ async fn get_shows_a_record_for_people_and_for_scripts() {
 
 #[tokio::test]
 async fn purge_frees_a_key_at_once() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let id = record_id(&unique_key("admin-purge"));
-    let t = token(&acquire(&mut client, &id, b"fp").await);
-    fail(&mut client, &id, t, false, Some(response(500, "bug")))
+    let t = token(&acquire(&mut app.client, &id, b"fp").await);
+    fail(&mut app.client, &id, t, false, Some(response(500, "bug")))
         .await
         .unwrap();
 
-    let (purged, logs) =
-        capture_logs(run_admin(&db, AdminCommand::Purge(purge_args(&id)), true)).await;
+    let (purged, logs) = capture_logs(run_admin(
+        &app.db,
+        AdminCommand::Purge(purge_args(&id)),
+        true,
+    ))
+    .await;
 
     let purged: serde_json::Value = serde_json::from_str(&purged.unwrap()).unwrap();
     assert_eq!(purged["purged"], true);
@@ -76,17 +76,20 @@ async fn purge_frees_a_key_at_once() {
     assert_eq!(audit[0]["subject"], id.subject.as_str());
     assert_eq!(audit[0]["deleted"], 1);
     assert!(
-        audit[0]["database"].as_str().unwrap().ends_with(&db.name),
+        audit[0]["database"]
+            .as_str()
+            .unwrap()
+            .ends_with(&app.db.name),
         "{audit:?}"
     );
     // The customer can retry: a fresh attempt, with a token the purged
     // attempt never had.
-    let Outcome::Acquired(acquired) = acquire(&mut client, &id, b"fp").await else {
+    let Outcome::Acquired(acquired) = acquire(&mut app.client, &id, b"fp").await else {
         panic!()
     };
     assert!(acquired.fencing_token > t);
     let again = run_admin(
-        &db,
+        &app.db,
         AdminCommand::Purge(purge_args(&record_id("no-such-key"))),
         false,
     )
@@ -96,19 +99,17 @@ async fn purge_frees_a_key_at_once() {
 
 #[tokio::test]
 async fn stuck_lists_lapsed_leases_older_than_asked_and_stats_counts_by_namespace() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let lapsed = record_id(&unique_key("admin-stuck"));
     let live = record_id(&unique_key("admin-live"));
-    token(&acquire_leased(&mut client, &lapsed, b"fp", 1).await);
-    token(&acquire(&mut client, &live, b"fp").await);
-    insert_records(&db.pool, "old", 4, 60).await;
+    token(&acquire_leased(&mut app.client, &lapsed, b"fp", 1).await);
+    token(&acquire(&mut app.client, &live, b"fp").await);
+    insert_records(&app.db.pool, "old", 4, 60).await;
     wait_past(1).await;
 
     let stuck: serde_json::Value = serde_json::from_str(
         &run_admin(
-            &db,
+            &app.db,
             AdminCommand::Stuck {
                 older_than: Duration::ZERO,
                 limit: 10,
@@ -120,7 +121,7 @@ async fn stuck_lists_lapsed_leases_older_than_asked_and_stats_counts_by_namespac
     )
     .unwrap();
     let not_yet = run_admin(
-        &db,
+        &app.db,
         AdminCommand::Stuck {
             older_than: Duration::from_secs(3600),
             limit: 10,
@@ -130,8 +131,11 @@ async fn stuck_lists_lapsed_leases_older_than_asked_and_stats_counts_by_namespac
     .await
     .unwrap();
     let stats: serde_json::Value =
-        serde_json::from_str(&run_admin(&db, AdminCommand::Stats, true).await.unwrap()).unwrap();
-    let stats_text = run_admin(&db, AdminCommand::Stats, false).await.unwrap();
+        serde_json::from_str(&run_admin(&app.db, AdminCommand::Stats, true).await.unwrap())
+            .unwrap();
+    let stats_text = run_admin(&app.db, AdminCommand::Stats, false)
+        .await
+        .unwrap();
 
     let keys: Vec<_> = stuck
         .as_array()
@@ -229,21 +233,19 @@ async fn purging_a_namespace_asks_once_then_deletes_all_of_it_in_batches_and_aud
 
 #[tokio::test]
 async fn purge_with_yes_asks_nothing_and_deletes_only_what_the_parts_given_match() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let mine = [unique_key("admin-mine-1"), unique_key("admin-mine-2")];
     for key in &mine {
-        token(&acquire(&mut client, &record_id(key), b"fp").await);
+        token(&acquire(&mut app.client, &record_id(key), b"fp").await);
     }
     let other_subject = idempotency_client::pb::RecordId {
         subject: "user-2".into(),
         ..record_id(&unique_key("admin-other"))
     };
-    token(&acquire(&mut client, &other_subject, b"fp").await);
+    token(&acquire(&mut app.client, &other_subject, b"fp").await);
 
     let (purged, questions) = run_admin_answering(
-        &db,
+        &app.db,
         AdminCommand::Purge(PurgeArgs {
             subject: Some("user-1".into()),
             yes: true,
@@ -255,7 +257,7 @@ async fn purge_with_yes_asks_nothing_and_deletes_only_what_the_parts_given_match
     .await;
     // One match (a key in any operation and subject) needs no confirmation.
     let (single, single_questions) = run_admin_answering(
-        &db,
+        &app.db,
         AdminCommand::Purge(PurgeArgs {
             key: Some(other_subject.key.clone()),
             ..purge_filter("payments")
@@ -272,8 +274,13 @@ async fn purge_with_yes_asks_nothing_and_deletes_only_what_the_parts_given_match
     let single: serde_json::Value = serde_json::from_str(&single.unwrap()).unwrap();
     assert!(single_questions.is_empty(), "{single_questions:?}");
     assert_eq!(single["deleted"], 1);
-    assert_eq!(db.row_count().await, 0);
-    let nothing = run_admin(&db, AdminCommand::Purge(purge_filter("payments")), false).await;
+    assert_eq!(app.db.row_count().await, 0);
+    let nothing = run_admin(
+        &app.db,
+        AdminCommand::Purge(purge_filter("payments")),
+        false,
+    )
+    .await;
     assert!(
         matches!(nothing, Err(admin::AdminError::NoMatch)),
         "{nothing:?}"

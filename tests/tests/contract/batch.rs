@@ -6,9 +6,9 @@ use std::sync::Arc;
 use idempotency_client::pb::{
     self, acquire_response::Outcome, batch_acquire_result, batch_complete_result,
 };
-use idempotency_server::startup::ServerConfig;
 use idempotency_tests::{
-    TestDb, TestServer, http_get, metric_value, record_id, response, test_config, unique_key,
+    TestDb, TestServer, http_get, metric_value, record_id, response, spawn_app, spawn_app_with,
+    unique_key,
 };
 use prost::Message;
 use tokio::sync::Barrier;
@@ -84,20 +84,14 @@ pub(crate) async fn batch_complete(
 
 #[tokio::test]
 async fn batch_acquire_answers_every_item_as_the_unary_call_in_order() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    every_item_answered_as_the_unary_call(&db, &server).await;
+    let app = spawn_app().await;
+    every_item_answered_as_the_unary_call(&app.db, &app.server).await;
 }
 
 #[tokio::test]
 async fn batch_acquire_keeps_the_order_of_a_records_items_without_group_commit_too() {
-    let db = TestDb::new().await;
-    let config = ServerConfig {
-        batching: None,
-        ..test_config()
-    };
-    let server = TestServer::start_config(&db, config).await;
-    every_item_answered_as_the_unary_call(&db, &server).await;
+    let app = spawn_app_with(|settings| settings.batching = false).await;
+    every_item_answered_as_the_unary_call(&app.db, &app.server).await;
 }
 
 async fn every_item_answered_as_the_unary_call(db: &TestDb, server: &TestServer) {
@@ -173,18 +167,12 @@ async fn every_item_answered_as_the_unary_call(db: &TestDb, server: &TestServer)
 #[tokio::test]
 async fn a_batch_acquire_of_new_keys_is_one_statement() {
     const KEYS: usize = 50;
-    let db = TestDb::new().await;
-    let config = ServerConfig {
-        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-        ..test_config()
-    };
-    let server = TestServer::start_config(&db, config).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let requests = (0..KEYS)
         .map(|_| acquire_item(&record_id(&unique_key("one-statement")), b"fp"))
         .collect();
 
-    let results = batch_acquire(&mut client, requests).await;
+    let results = batch_acquire(&mut app.client, requests).await;
 
     assert!(
         results
@@ -192,7 +180,7 @@ async fn a_batch_acquire_of_new_keys_is_one_statement() {
             .all(|result| matches!(result, Ok(Outcome::Acquired(_)))),
         "{results:?}"
     );
-    let page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
+    let page = http_get(app.server.metrics_addr, "/metrics").await;
     let statements = metric_value(&page, r#"idempotency_db_batch_size_count{query="acquire"}"#);
     let items = metric_value(&page, r#"idempotency_db_batch_size_sum{query="acquire"}"#);
     assert_eq!(
@@ -204,18 +192,16 @@ async fn a_batch_acquire_of_new_keys_is_one_statement() {
 
 #[tokio::test]
 async fn batch_complete_answers_every_item_as_the_unary_call() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
 
     let first = record_id(&unique_key("bc-first"));
     let second = record_id(&unique_key("bc-second"));
-    let first_token = token(&acquire(&mut client, &first, b"fp").await);
-    let second_token = token(&acquire(&mut client, &second, b"fp").await);
+    let first_token = token(&acquire(&mut app.client, &first, b"fp").await);
+    let second_token = token(&acquire(&mut app.client, &second, b"fp").await);
     let never = record_id(&unique_key("bc-never"));
 
     let results = batch_complete(
-        &mut client,
+        &mut app.client,
         vec![
             complete_item(&first, first_token),
             complete_item(&second, second_token + 1),
@@ -234,9 +220,9 @@ async fn batch_complete_answers_every_item_as_the_unary_call() {
         "INVALID_ARGUMENT",
     );
     // The stale item changed nothing: the attempt still holds the key.
-    let record = get(&mut client, &second).await.unwrap();
+    let record = get(&mut app.client, &second).await.unwrap();
     assert_eq!(record.state, pb::RecordState::InProgress as i32);
-    match acquire(&mut client, &first, b"fp").await {
+    match acquire(&mut app.client, &first, b"fp").await {
         Outcome::Completed(_) => {}
         other => panic!("expected COMPLETED, got {other:?}"),
     }
@@ -244,9 +230,8 @@ async fn batch_complete_answers_every_item_as_the_unary_call() {
 
 #[tokio::test]
 async fn an_empty_or_oversized_batch_is_refused_whole_and_writes_nothing() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let app = spawn_app().await;
+    let mut client = app.client.clone();
 
     let empty = client
         .batch_acquire(pb::BatchAcquireRequest { requests: vec![] })
@@ -268,7 +253,7 @@ async fn an_empty_or_oversized_batch_is_refused_whole_and_writes_nothing() {
         .await;
     let status = assert_error(oversized, Code::InvalidArgument, "INVALID_ARGUMENT");
     assert!(status.message().contains(&max.to_string()), "{status:?}");
-    assert_eq!(db.row_count().await, 0);
+    assert_eq!(app.db.row_count().await, 0);
     // An oversized BatchComplete whose first item could complete a held
     // record: refused whole, the record stays in progress.
     let held = record_id(&unique_key("oversized-held"));
@@ -283,7 +268,7 @@ async fn an_empty_or_oversized_batch_is_refused_whole_and_writes_nothing() {
     assert_error(completes, Code::InvalidArgument, "INVALID_ARGUMENT");
     let record = get(&mut client, &held).await.unwrap();
     assert_eq!(record.state, pb::RecordState::InProgress as i32);
-    assert_eq!(db.row_count().await, 1);
+    assert_eq!(app.db.row_count().await, 1);
 
     // At the limit it is accepted.
     let results = batch_acquire(
@@ -307,8 +292,7 @@ async fn an_empty_or_oversized_batch_is_refused_whole_and_writes_nothing() {
 async fn concurrent_batches_over_the_same_keys_give_exactly_one_holder_per_key() {
     const BATCHES: usize = 32;
     const KEYS: usize = 20;
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
+    let app = spawn_app().await;
     let ids: Arc<Vec<pb::RecordId>> = Arc::new(
         (0..KEYS)
             .map(|_| record_id(&unique_key("batch-race")))
@@ -316,7 +300,7 @@ async fn concurrent_batches_over_the_same_keys_give_exactly_one_holder_per_key()
     );
     let mut clients = Vec::new();
     for _ in 0..4 {
-        clients.push(server.new_client().await);
+        clients.push(app.server.new_client().await);
     }
     let barrier = Arc::new(Barrier::new(BATCHES));
     let tasks: Vec<_> = (0..BATCHES)
@@ -350,7 +334,7 @@ async fn concurrent_batches_over_the_same_keys_give_exactly_one_holder_per_key()
             }
         }
     }
-    let mut client = server.client.clone();
+    let mut client = app.server.client.clone();
     for (key, tokens) in holders.iter().enumerate() {
         assert_eq!(
             tokens.len(),
@@ -374,31 +358,23 @@ async fn concurrent_batches_over_the_same_keys_give_exactly_one_holder_per_key()
 /// to reply: the handler renews such leases before replying.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batched_acquire_that_waited_past_its_lease_is_answered_with_a_live_one() {
-    let db = TestDb::new().await;
     // One statement at a time, so the calls queued behind a stuck one share
     // the next statement.
-    let config = ServerConfig {
-        batching: Some(idempotency_server::store::batch::BatchSettings {
-            workers: 1,
-            ..Default::default()
-        }),
-        ..test_config()
-    };
-    let server = TestServer::start_config(&db, config).await;
-    let mut client = server.client.clone();
+    let app = spawn_app_with(|settings| settings.batch_workers = 1).await;
+    let mut client = app.client.clone();
     let first_blocked = record_id(&unique_key("batch-blocked-first"));
     let blocked = record_id(&unique_key("batch-blocked"));
     let fresh = record_id(&unique_key("batch-fresh-leased"));
     acquire(&mut client, &first_blocked, b"fp").await;
     acquire(&mut client, &blocked, b"fp").await;
 
-    let first_writer = idempotency_tests::hold_write(&db, &first_blocked.key).await;
-    let writer = idempotency_tests::hold_write(&db, &blocked.key).await;
+    let first_writer = idempotency_tests::hold_write(&app.db, &first_blocked.key).await;
+    let writer = idempotency_tests::hold_write(&app.db, &blocked.key).await;
     let stuck = tokio::spawn({
         let (mut client, id) = (client.clone(), first_blocked.clone());
         async move { acquire(&mut client, &id, b"fp").await }
     });
-    idempotency_tests::wait_for_lock_wait(&db).await;
+    idempotency_tests::wait_for_lock_wait(&app.db).await;
     let fresh_request = pb::AcquireRequest {
         lease: Some(idempotency_tests::seconds(1)),
         ..acquire_item(&fresh, b"fp")
@@ -413,7 +389,7 @@ async fn a_batched_acquire_that_waited_past_its_lease_is_answered_with_a_live_on
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     first_writer.rollback().await.unwrap();
     stuck.await.unwrap();
-    idempotency_tests::wait_for_lock_wait(&db).await;
+    idempotency_tests::wait_for_lock_wait(&app.db).await;
     tokio::time::sleep(std::time::Duration::from_millis(1300)).await;
     assert!(!batch.is_finished(), "the batch did not wait for `blocked`");
     writer.rollback().await.unwrap();
@@ -434,11 +410,10 @@ async fn a_batched_acquire_that_waited_past_its_lease_is_answered_with_a_live_on
 
 #[tokio::test]
 async fn a_batch_reply_stays_within_the_message_limit_and_what_does_not_fit_is_sent_alone() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
+    let app = spawn_app().await;
     // A stub with gRPC's default 4 MiB receive limit, as clients in most
     // languages have, which is also the server's message limit.
-    let mut client = server.client.clone();
+    let mut client = app.server.client.clone();
     let large = pb::StoredResponse {
         status_code: 200,
         body: vec![b'x'; 1_000_000],

@@ -5,11 +5,11 @@
 use std::time::{Duration, Instant};
 
 use idempotency_client::pb;
-use idempotency_server::startup::ServerConfig;
+use idempotency_server::settings::Settings;
 use idempotency_tests::{
     TestDb, TestServer, http_get, metric_value,
     raw::{self, Memory},
-    record_id, response, server_behind_proxy_with, test_config, unique_key,
+    record_id, response, server_behind_proxy_with, spawn_app, test_settings, unique_key,
 };
 use tonic::Code;
 
@@ -28,9 +28,8 @@ fn reason_of(status: &tonic::Status) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_of_millions_of_empty_items_are_refused_before_decoding() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let channel = TestServer::channel_to(server.addr).await;
+    let app = spawn_app().await;
+    let channel = TestServer::channel_to(app.server.addr).await;
     // Warm up the connection and the server's buffers.
     let _ = raw::call(channel.clone(), "BatchAcquire", raw::empty_batch_acquire(1)).await;
     let before = Memory::rss_mib();
@@ -68,22 +67,20 @@ async fn batches_of_millions_of_empty_items_are_refused_before_decoding() {
         assert!(status.message().contains("409600 requests"), "{status:?}");
     }
     assert!(growth < MAX_GROWTH_MIB, "RSS grew {growth:.1} MiB");
-    assert_eq!(db.row_count().await, 0);
+    assert_eq!(app.db.row_count().await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_response_with_more_headers_than_the_limit_is_refused_before_decoding() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let id = record_id(&unique_key("headers"));
-    let fencing_token = token(&acquire(&mut client, &id, b"fp").await);
+    let fencing_token = token(&acquire(&mut app.client, &id, b"fp").await);
     let without_response = pb::CompleteRequest {
         id: Some(id.clone()),
         fencing_token,
         response: None,
     };
-    let channel = TestServer::channel_to(server.addr).await;
+    let channel = TestServer::channel_to(app.server.addr).await;
     let before = Memory::rss_mib();
     Memory::reset_peak();
 
@@ -113,27 +110,26 @@ async fn a_response_with_more_headers_than_the_limit_is_refused_before_decoding(
             headers: (0..count).map(|i| (format!("h{i}"), "v".into())).collect(),
         }),
     };
-    let status = client.complete(with_headers(129)).await.unwrap_err();
+    let status = app.client.complete(with_headers(129)).await.unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument);
     assert!(status.message().contains("response.headers"), "{status:?}");
-    client.complete(with_headers(128)).await.unwrap();
+    app.client.complete(with_headers(128)).await.unwrap();
 }
 
 /// A server whose calls hang at a frozen database, with a memory budget
 /// that holds four large Completes.
 async fn frozen_with_small_budget(db: &TestDb) -> (TestServer, idempotency_tests::TcpProxy) {
-    let config = ServerConfig {
-        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+    let settings = Settings {
         // The smallest budget the limits allow: two 4 MiB messages.
         max_in_flight_bytes: 8 * 1024 * 1024 + 10 * 1024,
         request_timeout: Duration::from_secs(3),
-        ..test_config()
+        ..test_settings(db)
     };
-    server_behind_proxy_with(db, config).await
+    server_behind_proxy_with(db, settings).await
 }
 
 async fn in_flight_bytes(server: &TestServer) -> f64 {
-    let page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
+    let page = http_get(server.metrics_addr, "/metrics").await;
     metric_value(&page, "idempotency_in_flight_bytes").unwrap_or(0.0)
 }
 
@@ -176,7 +172,7 @@ async fn calls_past_the_memory_budget_are_shed_at_once_and_served_again_once_it_
     let shed = client.complete(requests[0].clone()).await;
     assert_error(shed, Code::Unavailable, "OVERLOADED");
     assert!(started.elapsed() < Duration::from_secs(2), "shed at once");
-    let page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
+    let page = http_get(server.metrics_addr, "/metrics").await;
     assert_eq!(
         metric_value(
             &page,
@@ -217,11 +213,11 @@ async fn calls_past_the_memory_budget_are_shed_at_once_and_served_again_once_it_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_database_answers_by_the_deadline_and_the_server_recovers_by_itself() {
     let db = TestDb::new().await;
-    let config = ServerConfig {
+    let settings = Settings {
         request_timeout: Duration::from_secs(1),
-        ..test_config()
+        ..test_settings(&db)
     };
-    let (server, proxy) = server_behind_proxy_with(&db, config).await;
+    let (server, proxy) = server_behind_proxy_with(&db, settings).await;
     let mut client = server.client.clone();
     let held = record_id(&unique_key("frozen-held"));
     let fencing_token = token(&acquire(&mut client, &held, b"fp").await);

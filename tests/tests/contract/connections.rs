@@ -15,8 +15,7 @@ use std::{
     time::Duration,
 };
 
-use idempotency_server::{grpc::connections::ConnectionSettings, startup::ServerConfig};
-use idempotency_tests::{TestDb, TestServer, assert_error, http_get, metric_value, test_config};
+use idempotency_tests::{TestDb, TestServer, assert_error, http_get, metric_value, spawn_app_with};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::TcpStream,
@@ -43,14 +42,6 @@ const REFUSED_STREAM: u32 = 0x7;
 /// on a hang, not a measure of speed.
 const BOUND: Duration = Duration::from_secs(30);
 
-fn config(connections: ConnectionSettings) -> ServerConfig {
-    ServerConfig {
-        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-        connections,
-        ..test_config()
-    }
-}
-
 const OPEN: &str = "idempotency_grpc_connections";
 const REFUSED: &str = r#"idempotency_grpc_connections_closed_total{reason="refused"}"#;
 const IN_FLIGHT: &str = "idempotency_grpc_calls_in_flight";
@@ -58,10 +49,7 @@ const CALLS_REFUSED: &str = "idempotency_grpc_calls_refused_total";
 const TIMED_OUT: &str = r#"idempotency_grpc_connections_closed_total{reason="handshake_timeout"}"#;
 
 async fn metric(server: &TestServer, series: &str) -> Option<f64> {
-    metric_value(
-        &http_get(server.metrics_addr.unwrap(), "/metrics").await,
-        series,
-    )
+    metric_value(&http_get(server.metrics_addr, "/metrics").await, series)
 }
 
 /// One HTTP/2 frame: 9-byte header, then the payload.
@@ -153,22 +141,17 @@ async fn read_until_closed(mut tcp: TcpStream) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_connections_and_a_stalled_preface_are_closed_after_the_handshake_timeout() {
-    let db = TestDb::new().await;
-    let server = TestServer::start_config(
-        &db,
-        config(ConnectionSettings {
-            handshake_timeout: Duration::from_secs(1),
-            ..ConnectionSettings::default()
-        }),
-    )
+    let app = spawn_app_with(|settings| {
+        settings.connections.handshake_timeout = Duration::from_secs(1);
+    })
     .await;
-    let (mut greeted, _) = handshake(server.addr).await;
+    let (mut greeted, _) = handshake(app.server.addr).await;
     let mut silent = JoinSet::new();
     for _ in 0..200 {
-        let tcp = TcpStream::connect(server.addr).await.unwrap();
+        let tcp = TcpStream::connect(app.server.addr).await.unwrap();
         silent.spawn(read_until_closed(tcp));
     }
-    let mut stalled = TcpStream::connect(server.addr).await.unwrap();
+    let mut stalled = TcpStream::connect(app.server.addr).await.unwrap();
     stalled.write_all(&PREFACE[..10]).await.unwrap();
 
     let closed = silent.join_all().await.len() + {
@@ -177,9 +160,9 @@ async fn silent_connections_and_a_stalled_preface_are_closed_after_the_handshake
     };
 
     assert_eq!(closed, 201);
-    wait_for_metric(&server, TIMED_OUT, |closed| closed == 201.0).await;
+    wait_for_metric(&app.server, TIMED_OUT, |closed| closed == 201.0).await;
     // The connection that greeted in time is still served.
-    wait_for_metric(&server, OPEN, |open| open == 1.0).await;
+    wait_for_metric(&app.server, OPEN, |open| open == 1.0).await;
     greeted.write_all(&check_headers(1)).await.unwrap();
     let message = [0u8; 5]; // An empty HealthCheckRequest, uncompressed.
     greeted
@@ -201,95 +184,73 @@ async fn silent_connections_and_a_stalled_preface_are_closed_after_the_handshake
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_beyond_the_cap_is_closed_at_once_and_counted_until_one_ends() {
-    let db = TestDb::new().await;
-    let server = TestServer::start_config(
-        &db,
-        config(ConnectionSettings {
-            max_connections: 3,
-            // Far beyond BOUND: a close can only be the cap's.
-            handshake_timeout: Duration::from_secs(600),
-            ..ConnectionSettings::default()
-        }),
-    )
+    let app = spawn_app_with(|settings| {
+        settings.connections.max_connections = 3;
+        // Far beyond BOUND: a close can only be the cap's.
+        settings.connections.handshake_timeout = Duration::from_secs(600);
+    })
     .await;
     let mut held = Vec::new();
     for _ in 0..3 {
-        held.push(handshake(server.addr).await.0);
+        held.push(handshake(app.server.addr).await.0);
     }
 
-    let refused = TcpStream::connect(server.addr).await.unwrap();
+    let refused = TcpStream::connect(app.server.addr).await.unwrap();
     let sent = read_until_closed(refused).await;
 
     assert_eq!(sent, 0, "the refused connection got no HTTP/2 SETTINGS");
-    assert_eq!(metric(&server, REFUSED).await, Some(1.0));
-    assert_eq!(metric(&server, OPEN).await, Some(3.0));
+    assert_eq!(metric(&app.server, REFUSED).await, Some(1.0));
+    assert_eq!(metric(&app.server, OPEN).await, Some(3.0));
     drop(held.pop());
-    wait_for_metric(&server, OPEN, |open| open == 2.0).await;
+    wait_for_metric(&app.server, OPEN, |open| open == 2.0).await;
     // Served: it gets the server's SETTINGS.
-    let _served = handshake(server.addr).await;
-    assert_eq!(metric(&server, OPEN).await, Some(3.0));
-    assert_eq!(metric(&server, REFUSED).await, Some(1.0));
+    let _served = handshake(app.server.addr).await;
+    assert_eq!(metric(&app.server, OPEN).await, Some(3.0));
+    assert_eq!(metric(&app.server, REFUSED).await, Some(1.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_tls_the_cap_refuses_before_the_handshake_and_a_silent_connection_is_closed() {
-    use idempotency_server::security::{SecurityConfig, tls::TlsFiles};
     use idempotency_tests::security::{Pki, TempDir, tls_channel};
-    let db = TestDb::new().await;
     let dir = TempDir::new("connections");
     let pki = Pki::new("connections");
     let server_cert = pki.server("server");
     dir.write("tls.crt", &server_cert.cert);
     dir.write("tls.key", &server_cert.key);
-    let server = TestServer::start_config(
-        &db,
-        ServerConfig {
-            security: SecurityConfig {
-                tls: Some(TlsFiles {
-                    cert: dir.path("tls.crt"),
-                    key: dir.path("tls.key"),
-                    client_ca: None,
-                }),
-                ..SecurityConfig::default()
-            },
-            ..config(ConnectionSettings {
-                max_connections: 2,
-                handshake_timeout: Duration::from_secs(1),
-                ..ConnectionSettings::default()
-            })
-        },
-    )
+    let app = spawn_app_with(|settings| {
+        settings.security.tls_cert = Some(dir.path("tls.crt"));
+        settings.security.tls_key = Some(dir.path("tls.key"));
+        settings.connections.max_connections = 2;
+        settings.connections.handshake_timeout = Duration::from_secs(1);
+    })
     .await;
-    let channel = tls_channel(server.addr, &pki.ca_pem(), None).await.unwrap();
-    let silent = TcpStream::connect(server.addr).await.unwrap();
-    wait_for_metric(&server, OPEN, |open| open == 2.0).await;
+    let channel = tls_channel(app.server.addr, &pki.ca_pem(), None)
+        .await
+        .unwrap();
+    let silent = TcpStream::connect(app.server.addr).await.unwrap();
+    wait_for_metric(&app.server, OPEN, |open| open == 2.0).await;
 
-    let refused = TcpStream::connect(server.addr).await.unwrap();
+    let refused = TcpStream::connect(app.server.addr).await.unwrap();
     let sent = read_until_closed(refused).await;
 
     assert_eq!(sent, 0, "no TLS handshake for a refused connection");
-    assert_eq!(metric(&server, REFUSED).await, Some(1.0));
+    assert_eq!(metric(&app.server, REFUSED).await, Some(1.0));
     assert_eq!(read_until_closed(silent).await, 0);
-    assert_eq!(metric(&server, TIMED_OUT).await, Some(1.0));
+    assert_eq!(metric(&app.server, TIMED_OUT).await, Some(1.0));
     // The connection that greeted in time outlives the deadline.
     let mut health = HealthClient::new(channel);
     health.check(HealthCheckRequest::default()).await.unwrap();
-    assert_eq!(metric(&server, OPEN).await, Some(1.0));
+    assert_eq!(metric(&app.server, OPEN).await, Some(1.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_stops_answering_pings_is_closed() {
-    let db = TestDb::new().await;
-    let server = TestServer::start_config(
-        &db,
-        config(ConnectionSettings {
-            keepalive_interval: Duration::from_millis(500),
-            keepalive_timeout: Duration::from_millis(500),
-            ..ConnectionSettings::default()
-        }),
-    )
+    let app = spawn_app_with(|settings| {
+        settings.connections.http2_keepalive_interval = Duration::from_millis(500);
+        settings.connections.http2_keepalive_timeout = Duration::from_millis(500);
+    })
     .await;
-    let (mut tcp, _) = handshake(server.addr).await;
+    let (mut tcp, _) = handshake(app.server.addr).await;
 
     // Read everything, answer nothing: as a peer whose host vanished.
     let mut pinged = false;
@@ -302,21 +263,13 @@ async fn a_peer_that_stops_answering_pings_is_closed() {
 
     assert!(closed.is_ok(), "the server closes the connection");
     assert!(pinged, "after pinging it");
-    wait_for_metric(&server, OPEN, |open| open == 0.0).await;
+    wait_for_metric(&app.server, OPEN, |open| open == 0.0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_beyond_the_advertised_max_concurrent_streams_are_refused() {
-    let db = TestDb::new().await;
-    let server = TestServer::start_config(
-        &db,
-        config(ConnectionSettings {
-            max_concurrent_streams: 4,
-            ..ConnectionSettings::default()
-        }),
-    )
-    .await;
-    let (mut tcp, settings) = handshake(server.addr).await;
+    let app = spawn_app_with(|settings| settings.connections.max_concurrent_streams = 4).await;
+    let (mut tcp, settings) = handshake(app.server.addr).await;
     assert!(
         settings.contains(&(SETTINGS_MAX_CONCURRENT_STREAMS, 4)),
         "advertised: {settings:?}"
@@ -360,33 +313,25 @@ async fn streams_beyond_the_advertised_max_concurrent_streams_are_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_beyond_the_cap_in_flight_is_answered_unavailable_overloaded_at_once() {
-    let db = TestDb::new().await;
-    let server = TestServer::start_config(
-        &db,
-        config(ConnectionSettings {
-            max_concurrent_calls: 3,
-            ..ConnectionSettings::default()
-        }),
-    )
-    .await;
+    let app = spawn_app_with(|settings| settings.connections.max_concurrent_calls = 3).await;
     // Three calls in flight, each waiting for its request message.
-    let (mut holder, _) = handshake(server.addr).await;
+    let (mut holder, _) = handshake(app.server.addr).await;
     for stream in [1, 3, 5] {
         holder.write_all(&check_headers(stream)).await.unwrap();
     }
-    wait_for_metric(&server, IN_FLIGHT, |calls| calls == 3.0).await;
-    let mut health = HealthClient::new(TestServer::channel_to(server.addr).await);
+    wait_for_metric(&app.server, IN_FLIGHT, |calls| calls == 3.0).await;
+    let mut health = HealthClient::new(TestServer::channel_to(app.server.addr).await);
 
     let refused = health.check(HealthCheckRequest::default()).await;
 
     assert_error(refused, tonic::Code::Unavailable, "OVERLOADED");
-    assert_eq!(metric(&server, CALLS_REFUSED).await, Some(1.0));
+    assert_eq!(metric(&app.server, CALLS_REFUSED).await, Some(1.0));
     // One call finishes: there is room again.
     holder
         .write_all(&frame(0x0, 0x1, 1, &[0u8; 5]))
         .await
         .unwrap();
-    wait_for_metric(&server, IN_FLIGHT, |calls| calls == 2.0).await;
+    wait_for_metric(&app.server, IN_FLIGHT, |calls| calls == 2.0).await;
     health.check(HealthCheckRequest::default()).await.unwrap();
 }
 

@@ -4,10 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use idempotency_server::{db::PoolSettings, startup::ServerConfig};
 use idempotency_tests::{
-    TestDb, assert_error, record_id, response, server_behind_proxy_with_pool, test_config,
-    unique_key,
+    TestDb, assert_error, record_id, response, server_behind_proxy_with, test_settings, unique_key,
 };
 use tonic::Code;
 
@@ -35,16 +33,10 @@ async fn within_bound<T>(what: &str, call: impl std::future::Future<Output = T>)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_database_answers_unavailable_in_bounded_time_and_serves_again_after_it_thaws() {
     let db = TestDb::new().await;
-    let settings = PoolSettings {
-        statement_timeout: Duration::from_secs(1),
-        acquire_timeout: Duration::from_secs(1),
-        ..PoolSettings::default()
-    };
-    let config = ServerConfig {
-        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-        ..test_config()
-    };
-    let (server, proxy) = server_behind_proxy_with_pool(&db, config, &settings).await;
+    let mut settings = test_settings(&db);
+    settings.database.statement_timeout = Duration::from_secs(1);
+    settings.database.db_acquire_timeout = Duration::from_secs(1);
+    let (server, proxy) = server_behind_proxy_with(&db, settings).await;
     let mut client = server.client.clone();
     // Connections open, kept by the batch workers and idle in the pool.
     let mut held = Vec::new();

@@ -10,8 +10,8 @@
 
 use std::time::Duration;
 
-use idempotency_server::startup::ServerConfig;
-use idempotency_tests::{TestDb, TestServer, metric_value, server_pool, test_config};
+use idempotency_server::settings::Settings;
+use idempotency_tests::{TestDb, TestServer, database_url, metric_value, test_settings};
 use sqlx::AssertSqlSafe;
 use tokio::time::Instant;
 use tonic::transport::Channel;
@@ -29,10 +29,10 @@ const POLL: Duration = Duration::from_millis(20);
 const DOWN_WITHIN: Duration = INTERVAL.saturating_mul(2).saturating_add(SLACK);
 const UP_WITHIN: Duration = INTERVAL.saturating_add(SLACK);
 
-fn config() -> ServerConfig {
-    ServerConfig {
+fn settings(db: &TestDb) -> Settings {
+    Settings {
         health_check_interval: INTERVAL,
-        ..test_config()
+        ..test_settings(db)
     }
 }
 
@@ -95,7 +95,7 @@ fn assert_within(elapsed: Duration, bound: Duration, what: &str) {
 async fn a_frozen_database_turns_health_not_serving_within_two_intervals_and_serving_within_one_after_it_thaws()
  {
     let db = TestDb::new().await;
-    let (server, proxy) = idempotency_tests::server_behind_proxy_with(&db, config()).await;
+    let (server, proxy) = idempotency_tests::server_behind_proxy_with(&db, settings(&db)).await;
     let mut health = health_client(&server).await;
 
     proxy.freeze();
@@ -121,7 +121,7 @@ async fn a_frozen_database_turns_health_not_serving_within_two_intervals_and_ser
 async fn an_exclusive_table_lock_turns_health_not_serving_within_two_intervals_and_serving_within_one_after_it_ends()
  {
     let db = TestDb::new().await;
-    let server = TestServer::start_config(&db, config()).await;
+    let server = TestServer::start_with(settings(&db)).await;
     let mut health = health_client(&server).await;
 
     let mut lock = db.pool.begin().await.unwrap();
@@ -150,7 +150,7 @@ async fn an_exclusive_table_lock_turns_health_not_serving_within_two_intervals_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_database_turns_health_not_serving_and_once_back_serving_it_never_flips() {
     let db = TestDb::new().await;
-    let (server, proxy) = idempotency_tests::server_behind_proxy_with(&db, config()).await;
+    let (server, proxy) = idempotency_tests::server_behind_proxy_with(&db, settings(&db)).await;
     let mut health = health_client(&server).await;
 
     proxy.cut().await;
@@ -175,7 +175,7 @@ async fn an_unreachable_database_turns_health_not_serving_and_once_back_serving_
 async fn after_an_outage_shorter_than_an_interval_health_does_not_turn_not_serving_once_the_database_is_back()
  {
     let db = TestDb::new().await;
-    let (server, proxy) = idempotency_tests::server_behind_proxy_with(&db, config()).await;
+    let (server, proxy) = idempotency_tests::server_behind_proxy_with(&db, settings(&db)).await;
     let mut health = health_client(&server).await;
 
     proxy.cut().await;
@@ -214,12 +214,12 @@ async fn a_database_out_of_connection_slots_turns_health_not_serving_and_serving
             .await
             .unwrap();
     }
-    let options = db.connect_options().username(&role).password("health-test");
-    let config = ServerConfig {
-        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-        ..config()
-    };
-    let server = TestServer::start_with(config, server_pool(options)).await;
+    let mut url = db.url();
+    url.set_username(&role).unwrap();
+    url.set_password(Some("health-test")).unwrap();
+    let mut settings = settings(&db);
+    settings.database.database_url = Some(database_url(&url));
+    let server = TestServer::start_with(settings).await;
     let mut health = health_client(&server).await;
 
     // Every slot of the database taken, for every role but superusers: new
@@ -236,7 +236,7 @@ async fn a_database_out_of_connection_slots_turns_health_not_serving_and_serving
 
     let down = time_until(&mut health, ServingStatus::NotServing, full).await;
     assert_within(down, DOWN_WITHIN, "NOT_SERVING");
-    let page = idempotency_tests::http_get(server.metrics_addr.unwrap(), "/metrics").await;
+    let page = idempotency_tests::http_get(server.metrics_addr, "/metrics").await;
     let errors = metric_value(
         &page,
         r#"idempotency_database_probes_total{result="error"}"#,

@@ -5,13 +5,9 @@
 use std::time::Duration;
 
 use idempotency_client::pb::{self, acquire_response::Outcome};
-use idempotency_server::{
-    db::{self, PoolSettings},
-    startup::ServerConfig,
-};
 use idempotency_tests::{
-    TestDb, TestServer, assert_error, hold_write, lock_record, record_id, response, test_config,
-    unique_key,
+    TestDb, TestServer, assert_error, hold_write, lock_record, record_id, response, spawn_app,
+    test_settings, unique_key,
 };
 use tonic::Code;
 
@@ -67,22 +63,15 @@ async fn wait_for_state(db: &TestDb, ids: &[pb::RecordId], state: &str) {
 
 /// A server whose statements time out after a second.
 async fn server_with_short_statement_timeout(db: &TestDb) -> TestServer {
-    let settings = PoolSettings {
-        statement_timeout: Duration::from_secs(1),
-        ..PoolSettings::default()
-    };
-    TestServer::start_with(test_config(), db::pool(db.connect_options(), &settings)).await
+    let mut settings = test_settings(db);
+    settings.database.statement_timeout = Duration::from_secs(1);
+    TestServer::start_with(settings).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_complete_with_a_locked_row_finishes_the_other_thirty_while_the_lock_is_held() {
-    let db = TestDb::new().await;
-    let config = ServerConfig {
-        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-        ..test_config()
-    };
-    let server = TestServer::start_config(&db, config).await;
-    let mut client = server.client.clone();
+    let app = spawn_app().await;
+    let mut client = app.client.clone();
     let held = acquired(&mut client, "iso-batch", 31).await;
     let (locked, _) = held[17].clone();
     let others: Vec<pb::RecordId> = held
@@ -90,7 +79,7 @@ async fn a_batch_complete_with_a_locked_row_finishes_the_other_thirty_while_the_
         .map(|(id, _)| id.clone())
         .filter(|id| id.key != locked.key)
         .collect();
-    let lock = lock_record(&db, &locked.key).await;
+    let lock = lock_record(&app.db, &locked.key).await;
 
     let batch = tokio::spawn({
         let mut client = client.clone();
@@ -99,9 +88,9 @@ async fn a_batch_complete_with_a_locked_row_finishes_the_other_thirty_while_the_
     });
 
     // The thirty commit while the lock is held; the locked one waits for it.
-    wait_for_state(&db, &others, "completed").await;
+    wait_for_state(&app.db, &others, "completed").await;
     assert_eq!(
-        count_in_state(&db, std::slice::from_ref(&locked), "in_progress").await,
+        count_in_state(&app.db, std::slice::from_ref(&locked), "in_progress").await,
         1
     );
     assert!(!batch.is_finished(), "the locked item did not wait");
@@ -111,9 +100,9 @@ async fn a_batch_complete_with_a_locked_row_finishes_the_other_thirty_while_the_
     for (result, (id, _)) in results.iter().zip(&held) {
         assert!(result.is_ok(), "{}: {result:?}", id.key);
     }
-    wait_for_state(&db, std::slice::from_ref(&locked), "completed").await;
+    wait_for_state(&app.db, std::slice::from_ref(&locked), "completed").await;
     wait_for_metric(
-        &server,
+        &app.server,
         r#"idempotency_db_calls_alone_total{query="finish"}"#,
         |alone| alone >= 1.0,
     )
@@ -194,16 +183,15 @@ async fn thirty_unary_completes_succeed_beside_one_on_a_row_locked_past_the_stat
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_acquire_with_a_key_being_written_inserts_the_other_thirty_while_it_waits() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let app = spawn_app().await;
+    let mut client = app.client.clone();
     let (busy, busy_token) = acquired(&mut client, "iso-acquire-busy", 1).await.remove(0);
     let fresh: Vec<pb::RecordId> = (0..30)
         .map(|_| record_id(&unique_key("iso-acquire-new")))
         .collect();
     // An uncommitted write of the key: an insert of it waits for the writer
     // to end, where a row lock alone would not hold it up.
-    let writer = hold_write(&db, &busy.key).await;
+    let writer = hold_write(&app.db, &busy.key).await;
 
     let batch = tokio::spawn({
         let mut client = client.clone();
@@ -214,7 +202,7 @@ async fn a_batch_acquire_with_a_key_being_written_inserts_the_other_thirty_while
     });
 
     // The thirty new keys commit while the write is held.
-    wait_for_state(&db, &fresh, "in_progress").await;
+    wait_for_state(&app.db, &fresh, "in_progress").await;
     assert!(!batch.is_finished(), "the busy key's item did not wait");
     writer.rollback().await.unwrap();
     let mut results = batch.await.unwrap();

@@ -1,27 +1,25 @@
 //! Leases: a crashed holder is taken over and fenced off; a slow one renews.
 
 use idempotency_client::pb::acquire_response::Outcome;
-use idempotency_tests::{TestDb, TestServer, record_id, response, unique_key};
+use idempotency_tests::{record_id, response, spawn_app, unique_key};
 use tonic::Code;
 
 use crate::support::*;
 
 #[tokio::test]
 async fn a_crashed_holder_is_taken_over_after_its_lease_and_cannot_complete() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let id = record_id(&unique_key("crash"));
-    let crashed = token(&acquire_leased(&mut client, &id, b"fp", 1).await);
+    let crashed = token(&acquire_leased(&mut app.client, &id, b"fp", 1).await);
     // The holder "crashes": no Complete, no Fail.
     wait_past(1).await;
 
-    let takeover = token(&acquire(&mut client, &id, b"fp").await);
+    let takeover = token(&acquire(&mut app.client, &id, b"fp").await);
 
     // Within the record's lifetime a takeover adds one.
     assert_eq!(takeover, crashed + 1);
     let stale = complete(
-        &mut client,
+        &mut app.client,
         &id,
         crashed,
         response(201, "from the crashed holder"),
@@ -29,16 +27,16 @@ async fn a_crashed_holder_is_taken_over_after_its_lease_and_cannot_complete() {
     .await;
     assert_error(stale, Code::Aborted, "STALE_FENCING_TOKEN");
     let current = response(201, "from the new holder");
-    complete(&mut client, &id, takeover, current.clone())
+    complete(&mut app.client, &id, takeover, current.clone())
         .await
         .unwrap();
-    let Outcome::Completed(replay) = acquire(&mut client, &id, b"fp").await else {
+    let Outcome::Completed(replay) = acquire(&mut app.client, &id, b"fp").await else {
         panic!()
     };
     assert_eq!(replay.response, Some(current));
     // Even after completion, the stale token stays fenced off.
     let late = complete(
-        &mut client,
+        &mut app.client,
         &id,
         crashed,
         response(201, "from the crashed holder"),
@@ -49,30 +47,26 @@ async fn a_crashed_holder_is_taken_over_after_its_lease_and_cannot_complete() {
 
 #[tokio::test]
 async fn a_lapsed_lease_can_still_complete_while_nobody_took_over() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let id = record_id(&unique_key("late"));
-    let t = token(&acquire_leased(&mut client, &id, b"fp", 1).await);
+    let t = token(&acquire_leased(&mut app.client, &id, b"fp", 1).await);
     wait_past(1).await;
 
-    complete(&mut client, &id, t, response(201, "late but alone"))
+    complete(&mut app.client, &id, t, response(201, "late but alone"))
         .await
         .unwrap();
 
     assert!(matches!(
-        acquire(&mut client, &id, b"fp").await,
+        acquire(&mut app.client, &id, b"fp").await,
         Outcome::Completed(_)
     ));
 }
 
 #[tokio::test]
 async fn renew_keeps_a_slow_holder_alive_past_its_first_lease() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let id = record_id(&unique_key("slow"));
-    let Outcome::Acquired(first) = acquire_leased(&mut client, &id, b"fp", 1).await else {
+    let Outcome::Acquired(first) = acquire_leased(&mut app.client, &id, b"fp", 1).await else {
         panic!()
     };
 
@@ -82,12 +76,12 @@ async fn renew_keeps_a_slow_holder_alive_past_its_first_lease() {
     for _ in 0..5 {
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
         renewed = Some(
-            renew(&mut client, &id, first.fencing_token, 2)
+            renew(&mut app.client, &id, first.fencing_token, 2)
                 .await
                 .unwrap(),
         );
         assert!(matches!(
-            acquire(&mut client, &id, b"fp").await,
+            acquire(&mut app.client, &id, b"fp").await,
             Outcome::InProgress(_)
         ));
     }
@@ -97,11 +91,11 @@ async fn renew_keeps_a_slow_holder_alive_past_its_first_lease() {
         renewed.lease_expires_at.unwrap().seconds > first.lease_expires_at.unwrap().seconds + 1
     );
     assert_eq!(
-        get(&mut client, &id).await.unwrap().lease_expires_at,
+        get(&mut app.client, &id).await.unwrap().lease_expires_at,
         renewed.lease_expires_at
     );
     complete(
-        &mut client,
+        &mut app.client,
         &id,
         first.fencing_token,
         response(201, "slow but sure"),
@@ -112,30 +106,28 @@ async fn renew_keeps_a_slow_holder_alive_past_its_first_lease() {
 
 #[tokio::test]
 async fn renew_is_refused_for_a_stale_token_a_finished_record_and_an_unknown_key() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let id = record_id(&unique_key("renew"));
-    let stale = token(&acquire_leased(&mut client, &id, b"fp", 1).await);
+    let stale = token(&acquire_leased(&mut app.client, &id, b"fp", 1).await);
     wait_past(1).await;
-    let current = token(&acquire(&mut client, &id, b"fp").await);
+    let current = token(&acquire(&mut app.client, &id, b"fp").await);
 
     assert_error(
-        renew(&mut client, &id, stale, 30).await,
+        renew(&mut app.client, &id, stale, 30).await,
         Code::Aborted,
         "STALE_FENCING_TOKEN",
     );
-    complete(&mut client, &id, current, response(200, "done"))
+    complete(&mut app.client, &id, current, response(200, "done"))
         .await
         .unwrap();
     assert_error(
-        renew(&mut client, &id, current, 30).await,
+        renew(&mut app.client, &id, current, 30).await,
         Code::FailedPrecondition,
         "NOT_IN_PROGRESS",
     );
     let unknown = record_id(&unique_key("unknown"));
     assert_error(
-        renew(&mut client, &unknown, 1, 30).await,
+        renew(&mut app.client, &unknown, 1, 30).await,
         Code::NotFound,
         "RECORD_NOT_FOUND",
     );
@@ -143,9 +135,7 @@ async fn renew_is_refused_for_a_stale_token_a_finished_record_and_an_unknown_key
 
 #[tokio::test]
 async fn renewing_past_the_lifetime_moves_the_expiry_so_a_live_lease_never_expires() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let id = record_id(&unique_key("outlive"));
     let request = idempotency_client::pb::AcquireRequest {
         id: Some(id.clone()),
@@ -153,14 +143,14 @@ async fn renewing_past_the_lifetime_moves_the_expiry_so_a_live_lease_never_expir
         lease: Some(idempotency_tests::seconds(1)),
         ..Default::default()
     };
-    let t = token(&acquire_request(&mut client, request).await);
+    let t = token(&acquire_request(&mut app.client, request).await);
 
-    let renewed = renew(&mut client, &id, t, 10).await.unwrap();
+    let renewed = renew(&mut app.client, &id, t, 10).await.unwrap();
 
     assert!(renewed.expires_at.unwrap().seconds >= renewed.lease_expires_at.unwrap().seconds);
     wait_past(2).await; // The original lifetime has passed; the lease has not.
     assert!(matches!(
-        acquire(&mut client, &id, b"").await,
+        acquire(&mut app.client, &id, b"").await,
         Outcome::InProgress(_)
     ));
 }

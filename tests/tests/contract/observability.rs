@@ -1,6 +1,10 @@
 //! Health, reflection and /metrics, as operators and tools see them.
 
-use idempotency_tests::{TestDb, TestServer, http_get, record_id, test_config, unique_key};
+use std::time::Duration;
+
+use idempotency_tests::{
+    TestDb, TestServer, http_get, record_id, spawn_app, test_settings, unique_key,
+};
 use tokio_stream::StreamExt;
 use tonic_health::pb::{health_check_response::ServingStatus, health_client::HealthClient};
 
@@ -8,19 +12,13 @@ use crate::{outage::wait_for_health, support::*};
 
 #[tokio::test]
 async fn metrics_count_calls_by_rpc_and_outcome_with_help_text() {
-    let db = TestDb::new().await;
-    let config = idempotency_server::startup::ServerConfig {
-        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-        ..test_config()
-    };
-    let server = TestServer::start_config(&db, config).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let id = record_id(&unique_key("metrics"));
-    token(&acquire(&mut client, &id, b"fp").await);
-    acquire(&mut client, &id, b"fp").await;
-    let _ = get(&mut client, &record_id(&unique_key("absent"))).await;
+    token(&acquire(&mut app.client, &id, b"fp").await);
+    acquire(&mut app.client, &id, b"fp").await;
+    let _ = get(&mut app.client, &record_id(&unique_key("absent"))).await;
 
-    let page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
+    let page = http_get(app.server.metrics_addr, "/metrics").await;
 
     assert!(
         page.starts_with("HTTP/1.0 200") || page.starts_with("HTTP/1.1 200"),
@@ -40,9 +38,8 @@ async fn metrics_count_calls_by_rpc_and_outcome_with_help_text() {
 
 #[tokio::test]
 async fn health_is_serving_for_the_server_and_the_api_while_the_database_answers() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut health = HealthClient::new(TestServer::channel_to(server.addr).await);
+    let app = spawn_app().await;
+    let mut health = HealthClient::new(TestServer::channel_to(app.server.addr).await);
 
     wait_for_health(&mut health, ServingStatus::Serving).await;
 }
@@ -50,9 +47,8 @@ async fn health_is_serving_for_the_server_and_the_api_while_the_database_answers
 #[tokio::test]
 async fn reflection_v1_and_v1alpha_list_the_api_and_health() {
     use tonic_reflection::pb::{v1, v1alpha};
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let channel = TestServer::channel_to(server.addr).await;
+    let app = spawn_app().await;
+    let channel = TestServer::channel_to(app.server.addr).await;
 
     let mut client_v1 = v1::server_reflection_client::ServerReflectionClient::new(channel.clone());
     let request = v1::ServerReflectionRequest {
@@ -98,19 +94,14 @@ async fn reflection_v1_and_v1alpha_list_the_api_and_health() {
     );
 }
 
-/// A server with /metrics, the reaper and the table gauges on short intervals.
+/// A server with the reaper and the table gauges on short intervals.
 async fn observed_server(db: &TestDb, max_namespaces: usize) -> TestServer {
-    let config = idempotency_server::startup::ServerConfig {
-        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-        reaper: Some(idempotency_server::maintenance::ReaperSettings {
-            interval: std::time::Duration::from_millis(200),
-            ..Default::default()
-        }),
-        stats_interval: std::time::Duration::from_millis(200),
-        max_metric_namespaces: max_namespaces,
-        ..test_config()
-    };
-    TestServer::start_config(db, config).await
+    let mut settings = test_settings(db);
+    settings.reaper_enabled = true;
+    settings.reaper.reaper_interval = Duration::from_millis(200);
+    settings.stats_interval = Duration::from_millis(200);
+    settings.metrics_max_namespaces = max_namespaces;
+    TestServer::start_with(settings).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -186,7 +177,7 @@ async fn table_pool_and_reaper_gauges_are_published() {
     // Background tasks publish at their own pace: wait until all have.
     let mut page = String::new();
     for _ in 0..100 {
-        page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
+        page = http_get(server.metrics_addr, "/metrics").await;
         let value = |series: &str| idempotency_tests::metric_value(&page, series);
         if value("idempotency_reaper_deleted_total") == Some(50.0)
             && value(r#"idempotency_records{state="completed"}"#) == Some(7.0)

@@ -3,11 +3,11 @@
 use std::time::Duration;
 
 use idempotency_client::pb;
-use idempotency_server::{
-    db::{self, PoolSettings},
-    startup::{Application, ServerConfig, StartupError},
+use idempotency_server::startup::{Application, StartupError};
+use idempotency_tests::{
+    TestDb, TestServer, database_url, record_id, response, spawn_app, spawn_app_with,
+    test_settings, unique_key,
 };
-use idempotency_tests::{TestDb, TestServer, record_id, response, test_config, unique_key};
 use tonic::{Code, transport::Channel};
 use tonic_health::pb::{
     HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
@@ -100,37 +100,32 @@ async fn while_the_database_is_down_calls_are_unavailable_and_health_is_not_serv
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exhausted_pool_answers_unavailable_instead_of_hanging() {
-    let db = TestDb::new().await;
-    let settings = PoolSettings {
-        max_connections: 1,
-        acquire_timeout: Duration::from_millis(300),
-        ..PoolSettings::default()
-    };
-    // Without batching: its workers each keep a connection, which a pool
-    // of one cannot spare (the server refuses to start so configured).
-    let config = ServerConfig {
-        batching: None,
-        ..test_config()
-    };
-    let server = TestServer::start_with(config, db::pool(db.connect_options(), &settings)).await;
-    let mut client = server.client.clone();
+    let app = spawn_app_with(|settings| {
+        settings.database.db_max_connections = 1;
+        settings.database.db_acquire_timeout = Duration::from_millis(300);
+        // Without batching: its workers each keep a connection, which a pool
+        // of one cannot spare (the server refuses to start so configured).
+        settings.batching = false;
+    })
+    .await;
+    let mut client = app.client.clone();
     let id = record_id(&unique_key("exhausted"));
     let t = token(&acquire(&mut client, &id, b"fp").await);
     // A Complete stuck behind a row lock holds the only connection.
-    let blocker = idempotency_tests::lock_record(&db, &id.key).await;
+    let blocker = idempotency_tests::lock_record(&app.db, &id.key).await;
     let stuck = tokio::spawn({
         let mut client = client.clone();
         let id = id.clone();
         async move { complete(&mut client, &id, t, response(201, "stuck")).await }
     });
-    idempotency_tests::wait_for_lock_wait(&db).await;
+    idempotency_tests::wait_for_lock_wait(&app.db).await;
 
     let other = try_acquire(&mut client, &record_id(&unique_key("other")), b"").await;
 
     assert_error(other, Code::Unavailable, "DATABASE_UNAVAILABLE");
     // A busy pool is not a database outage: the replica stays in rotation
     // (the health probe, every 200 ms, has a connection of its own).
-    let mut health = HealthClient::new(TestServer::channel_to(server.addr).await);
+    let mut health = HealthClient::new(TestServer::channel_to(app.server.addr).await);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(health_status(&mut health, "").await, ServingStatus::Serving);
     blocker.rollback().await.unwrap();
@@ -140,12 +135,11 @@ async fn an_exhausted_pool_answers_unavailable_instead_of_hanging() {
 #[tokio::test]
 async fn a_pool_too_small_for_the_batch_workers_is_refused_at_startup() {
     let db = TestDb::new().await;
-    let workers = test_config().batching.expect("batching is on").workers;
-    let settings = PoolSettings {
-        max_connections: u32::try_from(2 * workers).unwrap(),
-        ..PoolSettings::default()
-    };
-    let refused = Application::build(test_config(), db::pool(db.connect_options(), &settings))
+    let mut settings = test_settings(&db);
+    assert!(settings.batching, "batching is on");
+    let workers = settings.batch_workers;
+    settings.database.db_max_connections = u32::try_from(2 * workers).unwrap();
+    let refused = Application::build(settings)
         .await
         .err()
         .expect("a pool the batch workers would fill is refused");
@@ -154,15 +148,9 @@ async fn a_pool_too_small_for_the_batch_workers_is_refused_at_startup() {
     };
     assert_eq!(invalid.field, "db_max_connections", "{invalid:?}");
 
-    let settings = PoolSettings {
-        max_connections: u32::try_from(2 * workers + 1).unwrap(),
-        ..PoolSettings::default()
-    };
-    assert!(
-        Application::build(test_config(), db::pool(db.connect_options(), &settings))
-            .await
-            .is_ok()
-    );
+    let mut settings = test_settings(&db);
+    settings.database.db_max_connections = u32::try_from(2 * workers + 1).unwrap();
+    assert!(Application::build(settings).await.is_ok());
 }
 
 /// Postgres ends the server's connections (a failover, an operator's
@@ -172,13 +160,11 @@ async fn a_pool_too_small_for_the_batch_workers_is_refused_at_startup() {
 /// give its connection back for being idle, succeed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_postgres_ended_fail_one_call_each_and_are_not_used_again() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     // The Acquire and the Complete batch workers now keep a connection each.
     let id = record_id(&unique_key("ended"));
-    let t = token(&acquire(&mut client, &id, b"fp").await);
-    complete(&mut client, &id, t, response(201, "paid"))
+    let t = token(&acquire(&mut app.client, &id, b"fp").await);
+    complete(&mut app.client, &id, t, response(201, "paid"))
         .await
         .expect("completed");
 
@@ -187,7 +173,7 @@ async fn connections_postgres_ended_fail_one_call_each_and_are_not_used_again() 
                                WHERE datname = current_database() AND application_name = $1) t",
     )
     .bind(idempotency_server::db::APPLICATION_NAME)
-    .fetch_one(&db.pool)
+    .fetch_one(&app.db.pool)
     .await
     .unwrap();
     assert!(
@@ -199,7 +185,7 @@ async fn connections_postgres_ended_fail_one_call_each_and_are_not_used_again() 
     let mut answered = 0;
     while answered < 5 {
         let id = record_id(&unique_key("after"));
-        match try_acquire(&mut client, &id, b"fp").await {
+        match try_acquire(&mut app.client, &id, b"fp").await {
             Ok(_) => answered += 1,
             Err(status) if status.code() == Code::Unavailable => failures += 1,
             Err(status) => panic!("{status:?}"),
@@ -217,14 +203,15 @@ async fn a_database_the_service_may_not_use_answers_unavailable_not_internal() {
     // The cluster's role without a database (3D000), and a role the cluster
     // does not know (28000): how a dropped database or a rotated password
     // shows, until an operator mends it.
-    let missing_database = db.connect_options().database("no_such_database");
-    let unknown_role = db.connect_options().username("no_such_role");
-    for options in [missing_database, unknown_role] {
-        let settings = PoolSettings {
-            acquire_timeout: Duration::from_secs(2),
-            ..PoolSettings::default()
-        };
-        let server = TestServer::start_with(test_config(), db::pool(options, &settings)).await;
+    let mut missing_database = db.url();
+    missing_database.set_path("no_such_database");
+    let mut unknown_role = db.url();
+    unknown_role.set_username("no_such_role").unwrap();
+    for url in [missing_database, unknown_role] {
+        let mut settings = test_settings(&db);
+        settings.database.database_url = Some(database_url(&url));
+        settings.database.db_acquire_timeout = Duration::from_secs(2);
+        let server = TestServer::start_with(settings).await;
         let mut client = server.client.clone();
 
         let refused = try_acquire(&mut client, &record_id(&unique_key("refused")), b"").await;

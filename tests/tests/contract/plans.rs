@@ -4,24 +4,18 @@
 
 use std::sync::Arc;
 
-use idempotency_server::startup::ServerConfig;
-use idempotency_tests::{TestDb, TestServer, record_id, response, test_config, unique_key};
+use idempotency_tests::{record_id, response, spawn_app, unique_key};
 use tokio::sync::Barrier;
 
 use crate::support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_new_table_is_read_by_key_never_scanned() {
-    let db = TestDb::new().await;
-    let config = ServerConfig {
-        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-        ..test_config()
-    };
-    let server = TestServer::start_config(&db, config).await;
+    let app = spawn_app().await;
     // The gauges count a small table's rows exactly, which no index can
     // answer: let their first run (the next is an hour later) see it empty.
     wait_for_metric(
-        &server,
+        &app.server,
         "idempotency_db_query_duration_seconds_count{query=\"table_stats\"}",
         |runs| runs >= 1.0,
     )
@@ -39,18 +33,18 @@ async fn a_new_table_is_read_by_key_never_scanned() {
          FROM generate_series(1, $1) AS i",
     )
     .bind(YOUNG_ROWS)
-    .execute(&db.pool)
+    .execute(&app.db.pool)
     .await
     .unwrap();
     // Young for the whole test: no statistics arrive midway.
     sqlx::query("ALTER TABLE idempotency_records SET (autovacuum_enabled = false)")
-        .execute(&db.pool)
+        .execute(&app.db.pool)
         .await
         .unwrap();
     let barrier = Arc::new(Barrier::new(32));
     let tasks: Vec<_> = (0..32)
         .map(|_| {
-            let (mut client, barrier) = (server.client.clone(), barrier.clone());
+            let (mut client, barrier) = (app.server.client.clone(), barrier.clone());
             tokio::spawn(async move {
                 barrier.wait().await;
                 // Enough rounds that the prepared statements switch to
@@ -81,7 +75,7 @@ async fn a_new_table_is_read_by_key_never_scanned() {
     }
     // The server's connections report their statistics as they exit: wait
     // until none of them is left.
-    server.stop().await;
+    app.server.stop().await;
     let mut exited = false;
     for _ in 0..100 {
         let open: i64 = sqlx::query_scalar(
@@ -89,7 +83,7 @@ async fn a_new_table_is_read_by_key_never_scanned() {
              WHERE datname = current_database() AND application_name = $1",
         )
         .bind(idempotency_server::db::APPLICATION_NAME)
-        .fetch_one(&db.pool)
+        .fetch_one(&app.db.pool)
         .await
         .unwrap();
         if open == 0 {
@@ -108,7 +102,7 @@ async fn a_new_table_is_read_by_key_never_scanned() {
         "SELECT seq_tup_read, coalesce(idx_scan, 0) FROM pg_stat_user_tables
          WHERE relname = 'idempotency_records'",
     )
-    .fetch_one(&db.pool)
+    .fetch_one(&app.db.pool)
     .await
     .unwrap();
     assert!(index_scans > 0, "the statistics were not reported");
@@ -123,7 +117,7 @@ async fn a_new_table_is_read_by_key_never_scanned() {
         "SELECT idx_tup_read FROM pg_stat_user_indexes
          WHERE indexrelname = 'idempotency_records_expires_at_idx'",
     )
-    .fetch_one(&db.pool)
+    .fetch_one(&app.db.pool)
     .await
     .unwrap();
     assert!(

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use idempotency_client::pb::{self, acquire_response::Outcome};
-use idempotency_tests::{TestDb, TestServer, record_id, response, test_config, unique_key};
+use idempotency_tests::{TestServer, record_id, response, spawn_app, spawn_app_with, unique_key};
 use tokio::sync::Barrier;
 
 use crate::support::*;
@@ -47,20 +47,14 @@ async fn clients(server: &TestServer) -> Vec<Client> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sixty_four_concurrent_acquires_give_exactly_one_holder_then_identical_replays() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    one_holder_then_identical_replays(&server).await;
+    let app = spawn_app().await;
+    one_holder_then_identical_replays(&app.server).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sixty_four_concurrent_acquires_give_exactly_one_holder_without_batching_too() {
-    let db = TestDb::new().await;
-    let config = idempotency_server::startup::ServerConfig {
-        batching: None,
-        ..test_config()
-    };
-    let server = TestServer::start_config(&db, config).await;
-    one_holder_then_identical_replays(&server).await;
+    let app = spawn_app_with(|settings| settings.batching = false).await;
+    one_holder_then_identical_replays(&app.server).await;
 }
 
 async fn one_holder_then_identical_replays(server: &TestServer) {
@@ -101,9 +95,8 @@ async fn one_holder_then_identical_replays(server: &TestServer) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_takeovers_of_a_lapsed_lease_give_exactly_one_new_holder() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let clients = clients(&server).await;
+    let app = spawn_app().await;
+    let clients = clients(&app.server).await;
     let ids: Vec<_> = (0..5)
         .map(|n| record_id(&unique_key(&format!("lapsed{n}"))))
         .collect();
@@ -139,22 +132,16 @@ async fn concurrent_takeovers_of_a_lapsed_lease_give_exactly_one_new_holder() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn full_batches_with_many_keys_and_duplicates_give_exactly_one_holder_per_key() {
-    use idempotency_server::store::batch::BatchSettings;
     const KEYS: usize = 16;
     const DUPLICATES: usize = 8;
-    let db = TestDb::new().await;
     // One worker: while its statement runs, every other call queues, so
     // batches fill up and carry duplicates of the same keys.
-    let config = idempotency_server::startup::ServerConfig {
-        batching: Some(BatchSettings {
-            workers: 1,
-            max_size: 64,
-            ..BatchSettings::default()
-        }),
-        ..test_config()
-    };
-    let server = TestServer::start_config(&db, config).await;
-    let clients = clients(&server).await;
+    let app = spawn_app_with(|settings| {
+        settings.batch_workers = 1;
+        settings.batch_max_size = 64;
+    })
+    .await;
+    let clients = clients(&app.server).await;
     let ids: Vec<_> = (0..KEYS)
         .map(|n| record_id(&unique_key(&format!("batch{n}"))))
         .collect();
@@ -210,20 +197,19 @@ async fn full_batches_with_many_keys_and_duplicates_give_exactly_one_holder_per_
 /// its row over, and the call waits alone (see `isolation.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_statement_stuck_on_a_row_lock_does_not_hold_up_other_calls() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let app = spawn_app().await;
+    let mut client = app.client.clone();
 
     let stuck = record_id(&unique_key("stuck"));
     let stuck_token = token(&acquire(&mut client, &stuck, b"fp").await);
-    let lock = idempotency_tests::lock_record(&db, &stuck.key).await;
+    let lock = idempotency_tests::lock_record(&app.db, &stuck.key).await;
     let stuck_complete = {
         let (mut client, stuck) = (client.clone(), stuck.clone());
         tokio::spawn(async move {
             complete(&mut client, &stuck, stuck_token, response(201, "{}")).await
         })
     };
-    idempotency_tests::wait_for_lock_wait(&db).await;
+    idempotency_tests::wait_for_lock_wait(&app.db).await;
 
     // Completes of other records go through while that one waits.
     for n in 0..3 {

@@ -6,21 +6,20 @@
 use std::time::Duration;
 
 use idempotency_client::pb::{self, acquire_response::Outcome};
-use idempotency_server::{
-    replay_cache::ReplayCacheSettings, settings::AdminCommand, startup::ServerConfig,
-};
+use idempotency_server::settings::{AdminCommand, Settings};
 use idempotency_tests::{
-    TestDb, TestServer, http_get, metric_value, record_id, response, server_behind_proxy_with,
-    test_config, unique_key,
+    TestDb, http_get, metric_value, record_id, response, server_behind_proxy,
+    server_behind_proxy_with, spawn_app, spawn_app_with, test_settings, unique_key,
 };
 use tonic::Code;
 
 use crate::support::*;
 
-fn with_cache(replay_cache: Option<ReplayCacheSettings>) -> ServerConfig {
-    ServerConfig {
-        replay_cache,
-        ..test_config()
+/// The test settings have the cache on, as served by default: these turn it off.
+fn without_cache(db: &TestDb) -> Settings {
+    Settings {
+        replay_cache_bytes: 0,
+        ..test_settings(db)
     }
 }
 
@@ -39,8 +38,7 @@ async fn completed_and_replayed(client: &mut Client, label: &str, body: &str) ->
 #[tokio::test]
 async fn a_finished_record_is_replayed_from_memory_even_while_the_database_is_down() {
     let db = TestDb::new().await;
-    let (server, proxy) =
-        server_behind_proxy_with(&db, with_cache(Some(ReplayCacheSettings::default()))).await;
+    let (server, proxy) = server_behind_proxy(&db).await;
     let mut client = server.client.clone();
     let done = completed_and_replayed(&mut client, "cached", "{\"id\":7}").await;
     let failed = record_id(&unique_key("cached-failed"));
@@ -88,21 +86,15 @@ async fn a_finished_record_is_replayed_from_memory_even_while_the_database_is_do
 
 #[tokio::test]
 async fn lookups_are_counted_as_hits_and_misses() {
-    let db = TestDb::new().await;
-    let config = ServerConfig {
-        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-        ..with_cache(Some(ReplayCacheSettings::default()))
-    };
-    let server = TestServer::start_config(&db, config).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     // Acquire of a new key, then the first replay (read from the database,
     // then cached): two misses; the second replay: a hit.
-    let done = completed_and_replayed(&mut client, "counted", "{}").await;
+    let done = completed_and_replayed(&mut app.client, "counted", "{}").await;
     assert!(matches!(
-        acquire(&mut client, &done, b"fp").await,
+        acquire(&mut app.client, &done, b"fp").await,
         Outcome::Completed(_)
     ));
-    let page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
+    let page = http_get(app.server.metrics_addr, "/metrics").await;
     let lookups = |result: &str| {
         metric_value(
             &page,
@@ -115,7 +107,7 @@ async fn lookups_are_counted_as_hits_and_misses() {
 #[tokio::test]
 async fn without_the_cache_every_replay_reads_the_database() {
     let db = TestDb::new().await;
-    let (server, proxy) = server_behind_proxy_with(&db, with_cache(None)).await;
+    let (server, proxy) = server_behind_proxy_with(&db, without_cache(&db)).await;
     let mut client = server.client.clone();
     let done = completed_and_replayed(&mut client, "uncached", "{}").await;
     proxy.cut().await;
@@ -125,16 +117,10 @@ async fn without_the_cache_every_replay_reads_the_database() {
 
 #[tokio::test]
 async fn a_cached_record_is_never_replayed_after_it_expires() {
-    let db = TestDb::new().await;
-    let server = TestServer::start_config(
-        &db,
-        with_cache(Some(ReplayCacheSettings {
-            max_age: Duration::from_secs(3600),
-            ..ReplayCacheSettings::default()
-        })),
-    )
+    let mut app = spawn_app_with(|settings| {
+        settings.replay_cache_max_age = Duration::from_secs(3600);
+    })
     .await;
-    let mut client = server.client.clone();
     let id = record_id(&unique_key("cached-ttl"));
     let request = pb::AcquireRequest {
         id: Some(id.clone()),
@@ -143,47 +129,38 @@ async fn a_cached_record_is_never_replayed_after_it_expires() {
         // A record never expires under a live lease: keep it shorter.
         lease: Some(idempotency_tests::seconds(1)),
     };
-    let t = token(&acquire_request(&mut client, request.clone()).await);
-    complete(&mut client, &id, t, response(201, "{}"))
+    let t = token(&acquire_request(&mut app.client, request.clone()).await);
+    complete(&mut app.client, &id, t, response(201, "{}"))
         .await
         .unwrap();
     assert!(matches!(
-        acquire_request(&mut client, request.clone()).await,
+        acquire_request(&mut app.client, request.clone()).await,
         Outcome::Completed(_)
     ));
 
     wait_past(2).await;
 
     // Expired: a new attempt, not the cached replay.
-    assert!(token(&acquire_request(&mut client, request).await) > t);
+    assert!(token(&acquire_request(&mut app.client, request).await) > t);
 }
 
 #[tokio::test]
 async fn a_purge_reaches_a_replica_that_cached_the_record_within_the_max_age() {
-    let db = TestDb::new().await;
     // Long enough that the replay right after the purge surely falls within it.
     let max_age = Duration::from_secs(3);
-    let server = TestServer::start_config(
-        &db,
-        with_cache(Some(ReplayCacheSettings {
-            max_age,
-            ..ReplayCacheSettings::default()
-        })),
-    )
-    .await;
-    let mut client = server.client.clone();
-    let id = completed_and_replayed(&mut client, "cached-purge", "{}").await;
+    let mut app = spawn_app_with(|settings| settings.replay_cache_max_age = max_age).await;
+    let id = completed_and_replayed(&mut app.client, "cached-purge", "{}").await;
 
-    run_admin(&db, AdminCommand::Purge(purge_args(&id)), false)
+    run_admin(&app.db, AdminCommand::Purge(purge_args(&id)), false)
         .await
         .unwrap();
 
     // Until the entry's max age passes, this replica still replays...
     assert!(matches!(
-        acquire(&mut client, &id, b"fp").await,
+        acquire(&mut app.client, &id, b"fp").await,
         Outcome::Completed(_)
     ));
     tokio::time::sleep(max_age + Duration::from_millis(200)).await;
     // ...then the key is free again: a new attempt holds it.
-    token(&acquire(&mut client, &id, b"fp").await);
+    token(&acquire(&mut app.client, &id, b"fp").await);
 }

@@ -1,18 +1,16 @@
 //! A key is unique per (namespace, operation, subject, key).
 
 use idempotency_client::pb::{self, acquire_response::Outcome};
-use idempotency_tests::{TestDb, TestServer, record_id, response, unique_key};
+use idempotency_tests::{record_id, response, spawn_app, unique_key};
 
 use crate::support::*;
 
 #[tokio::test]
 async fn the_same_key_under_another_namespace_operation_or_subject_is_independent() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let original = record_id(&unique_key("shared"));
-    let t = token(&acquire(&mut client, &original, b"fp").await);
-    complete(&mut client, &original, t, response(201, "payment"))
+    let t = token(&acquire(&mut app.client, &original, b"fp").await);
+    complete(&mut app.client, &original, t, response(201, "payment"))
         .await
         .unwrap();
 
@@ -40,7 +38,7 @@ async fn the_same_key_under_another_namespace_operation_or_subject_is_independen
         },
     ];
     for other in &others {
-        let outcome = acquire(&mut client, other, b"fp").await;
+        let outcome = acquire(&mut app.client, other, b"fp").await;
         assert!(
             matches!(outcome, Outcome::Acquired(_)),
             "{other:?}: {outcome:?}"
@@ -48,9 +46,9 @@ async fn the_same_key_under_another_namespace_operation_or_subject_is_independen
     }
 
     // The original is untouched by all of them.
-    let Outcome::Completed(replay) = acquire(&mut client, &original, b"fp").await else {
+    let Outcome::Completed(replay) = acquire(&mut app.client, &original, b"fp").await else {
         panic!()
     };
     assert_eq!(replay.response, Some(response(201, "payment")));
-    assert_eq!(db.row_count().await, 1 + others.len() as i64);
+    assert_eq!(app.db.row_count().await, 1 + others.len() as i64);
 }

@@ -219,12 +219,12 @@ pub async fn wait_for_metric(
     expected: impl Fn(f64) -> bool,
 ) -> String {
     for _ in 0..100 {
-        let page = idempotency_tests::http_get(server.metrics_addr.unwrap(), "/metrics").await;
+        let page = idempotency_tests::http_get(server.metrics_addr, "/metrics").await;
         if idempotency_tests::metric_value(&page, series).is_some_and(&expected) {
             return page;
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
-    let page = idempotency_tests::http_get(server.metrics_addr.unwrap(), "/metrics").await;
+    let page = idempotency_tests::http_get(server.metrics_addr, "/metrics").await;
     panic!("{series} never reached the expected value in\n{page}");
 }

@@ -1,16 +1,14 @@
 //! Lifetimes: an expired record acts as absent even before cleanup removes it.
 
 use idempotency_client::pb::{self, acquire_response::Outcome};
-use idempotency_tests::{TestDb, TestServer, record_id, response, seconds, unique_key};
+use idempotency_tests::{TestDb, record_id, response, seconds, spawn_app, unique_key};
 use tonic::Code;
 
 use crate::support::*;
 
 #[tokio::test]
 async fn an_expired_record_acts_as_absent_while_its_row_still_exists() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let id = record_id(&unique_key("expiring"));
     let request = pb::AcquireRequest {
         id: Some(id.clone()),
@@ -18,28 +16,28 @@ async fn an_expired_record_acts_as_absent_while_its_row_still_exists() {
         ttl: Some(seconds(1)),
         lease: Some(seconds(1)),
     };
-    let t = token(&acquire_request(&mut client, request).await);
-    complete(&mut client, &id, t, response(201, "first"))
+    let t = token(&acquire_request(&mut app.client, request).await);
+    complete(&mut app.client, &id, t, response(201, "first"))
         .await
         .unwrap();
     wait_past(1).await;
 
     assert_eq!(
-        db.row_count().await,
+        app.db.row_count().await,
         1,
         "cleanup has not run: the row is still there"
     );
     assert_error(
-        get(&mut client, &id).await,
+        get(&mut app.client, &id).await,
         Code::NotFound,
         "RECORD_NOT_FOUND",
     );
-    let late = complete(&mut client, &id, t, response(201, "first")).await;
+    let late = complete(&mut app.client, &id, t, response(201, "first")).await;
     assert_error(late, Code::NotFound, "RECORD_NOT_FOUND");
 
     // A fresh start: a new token (never the expired attempt's, whose holder
     // may still be running), and the old fingerprint no longer binds the key.
-    let outcome = acquire(&mut client, &id, b"another request").await;
+    let outcome = acquire(&mut app.client, &id, b"another request").await;
 
     let Outcome::Acquired(acquired) = outcome else {
         panic!("{outcome:?}")
@@ -49,11 +47,11 @@ async fn an_expired_record_acts_as_absent_while_its_row_still_exists() {
         "{} after {t}",
         acquired.fencing_token
     );
-    let record = get(&mut client, &id).await.unwrap();
+    let record = get(&mut app.client, &id).await.unwrap();
     assert_eq!(record.state(), pb::RecordState::InProgress);
     assert_eq!(record.fingerprint, b"another request");
     assert_eq!(record.response, None);
-    assert_eq!(db.row_count().await, 1);
+    assert_eq!(app.db.row_count().await, 1);
 }
 
 /// A holder that overran its lease on a record whose TTL was no longer than
@@ -61,9 +59,7 @@ async fn an_expired_record_acts_as_absent_while_its_row_still_exists() {
 /// a new lifetime. The old holder must still be refused, whether the expired
 /// row was taken over (`purged: false`) or deleted first (`purged: true`).
 async fn a_holder_that_outlived_its_record(purged: bool) {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let id = record_id(&unique_key("outlived"));
     let leased = |lease| pb::AcquireRequest {
         id: Some(id.clone()),
@@ -71,33 +67,33 @@ async fn a_holder_that_outlived_its_record(purged: bool) {
         ttl: Some(seconds(1)),
         lease: Some(seconds(lease)),
     };
-    let stale = token(&acquire_request(&mut client, leased(2)).await);
+    let stale = token(&acquire_request(&mut app.client, leased(2)).await);
     wait_past(2).await;
     if purged {
         run_admin(
-            &db,
+            &app.db,
             idempotency_server::settings::AdminCommand::Purge(purge_args(&id)),
             false,
         )
         .await
         .unwrap();
     }
-    let current = token(&acquire_request(&mut client, leased(60)).await);
+    let current = token(&acquire_request(&mut app.client, leased(60)).await);
     assert_ne!(
         current, stale,
         "the next attempt got the stale holder's token"
     );
 
-    let late = complete(&mut client, &id, stale, response(201, "stale"));
+    let late = complete(&mut app.client, &id, stale, response(201, "stale"));
     assert_error(late.await, Code::Aborted, "STALE_FENCING_TOKEN");
-    let late = renew(&mut client, &id, stale, 60);
+    let late = renew(&mut app.client, &id, stale, 60);
     assert_error(late.await, Code::Aborted, "STALE_FENCING_TOKEN");
-    let late = fail(&mut client, &id, stale, true, None);
+    let late = fail(&mut app.client, &id, stale, true, None);
     assert_error(late.await, Code::Aborted, "STALE_FENCING_TOKEN");
-    complete(&mut client, &id, current, response(201, "current"))
+    complete(&mut app.client, &id, current, response(201, "current"))
         .await
         .unwrap();
-    let record = get(&mut client, &id).await.unwrap();
+    let record = get(&mut app.client, &id).await.unwrap();
     assert_eq!(record.response, Some(response(201, "current")));
 }
 

@@ -1,7 +1,7 @@
 //! Bad input: INVALID_ARGUMENT naming the field, and nothing written.
 
 use idempotency_client::pb;
-use idempotency_tests::{TestDb, TestServer, record_id, response, seconds, unique_key};
+use idempotency_tests::{record_id, response, seconds, spawn_app, unique_key};
 use tonic::{Code, Status};
 use tonic_types::StatusExt;
 
@@ -33,9 +33,7 @@ fn with_id(change: impl FnOnce(&mut pb::RecordId)) -> pb::AcquireRequest {
 
 #[tokio::test]
 async fn invalid_acquires_name_the_field_and_write_nothing() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let day = 24 * 3600;
     let cases: Vec<(&str, pb::AcquireRequest, &str)> = vec![
         ("no id", pb::AcquireRequest::default(), "id"),
@@ -156,17 +154,15 @@ async fn invalid_acquires_name_the_field_and_write_nothing() {
     ];
 
     for (case, request, field) in cases {
-        let result = client.acquire(request).await;
+        let result = app.client.acquire(request).await;
         assert_invalid(result, field);
-        assert_eq!(db.row_count().await, 0, "{case} wrote a row");
+        assert_eq!(app.db.row_count().await, 0, "{case} wrote a row");
     }
 }
 
 #[tokio::test]
 async fn the_bounds_themselves_are_accepted() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let day = 24 * 3600;
     let cases = [
         with_id(|id| id.key = "k".repeat(8)),
@@ -190,53 +186,50 @@ async fn the_bounds_themselves_are_accepted() {
     ];
 
     for request in cases {
-        token(&acquire_request(&mut client, request).await);
+        token(&acquire_request(&mut app.client, request).await);
     }
 }
 
 #[tokio::test]
 async fn an_oversized_response_is_refused_naming_the_limit_and_the_record_stays_in_progress() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let id = record_id(&unique_key("big"));
-    let t = token(&acquire(&mut client, &id, b"fp").await);
+    let t = token(&acquire(&mut app.client, &id, b"fp").await);
     let limit = 1024 * 1024;
     let mut too_big = response(201, "");
     let header_bytes: usize = too_big.headers.iter().map(|(k, v)| k.len() + v.len()).sum();
     too_big.body = vec![b'x'; limit - header_bytes + 1];
 
-    let status = complete(&mut client, &id, t, too_big.clone()).await;
+    let status = complete(&mut app.client, &id, t, too_big.clone()).await;
 
     let message = status.as_ref().unwrap_err().message().to_owned();
     assert_invalid(status, "response");
     assert!(message.contains(&limit.to_string()), "{message}");
-    let failed = fail(&mut client, &id, t, false, Some(too_big.clone())).await;
+    let failed = fail(&mut app.client, &id, t, false, Some(too_big.clone())).await;
     assert_invalid(failed, "error_response");
     assert_eq!(
-        get(&mut client, &id).await.unwrap().state(),
+        get(&mut app.client, &id).await.unwrap().state(),
         pb::RecordState::InProgress
     );
 
     // Exactly at the limit is fine.
     too_big.body.pop();
-    complete(&mut client, &id, t, too_big).await.unwrap();
+    complete(&mut app.client, &id, t, too_big).await.unwrap();
 }
 
 #[tokio::test]
 async fn invalid_ids_and_fields_on_the_other_rpcs_are_named_too() {
-    let db = TestDb::new().await;
-    let server = TestServer::start(&db).await;
-    let mut client = server.client.clone();
+    let mut app = spawn_app().await;
     let id = record_id(&unique_key("others"));
-    let t = token(&acquire(&mut client, &id, b"fp").await);
+    let t = token(&acquire(&mut app.client, &id, b"fp").await);
     let bad_id = record_id("short");
 
     assert_invalid(
-        complete(&mut client, &bad_id, t, response(201, "x")).await,
+        complete(&mut app.client, &bad_id, t, response(201, "x")).await,
         "id.key",
     );
-    let no_response = client
+    let no_response = app
+        .client
         .complete(pb::CompleteRequest {
             id: Some(id.clone()),
             fencing_token: t,
@@ -249,29 +242,32 @@ async fn invalid_ids_and_fields_on_the_other_rpcs_are_named_too() {
         ..Default::default()
     };
     assert_invalid(
-        complete(&mut client, &id, t, nul_header).await,
+        complete(&mut app.client, &id, t, nul_header).await,
         "response.headers",
     );
-    assert_invalid(fail(&mut client, &bad_id, t, true, None).await, "id.key");
-    assert_invalid(renew(&mut client, &bad_id, t, 10).await, "id.key");
-    assert_invalid(renew(&mut client, &id, t, 0).await, "lease");
-    assert_invalid(renew(&mut client, &id, t, 3601).await, "lease");
-    assert_invalid(get(&mut client, &bad_id).await, "id.key");
+    assert_invalid(
+        fail(&mut app.client, &bad_id, t, true, None).await,
+        "id.key",
+    );
+    assert_invalid(renew(&mut app.client, &bad_id, t, 10).await, "id.key");
+    assert_invalid(renew(&mut app.client, &id, t, 0).await, "lease");
+    assert_invalid(renew(&mut app.client, &id, t, 3601).await, "lease");
+    assert_invalid(get(&mut app.client, &bad_id).await, "id.key");
     // 0 is a token left unset; above i64::MAX, one no Acquire returns.
     for bad_token in [0, u64::MAX] {
         assert_invalid(
-            complete(&mut client, &id, bad_token, response(201, "x")).await,
+            complete(&mut app.client, &id, bad_token, response(201, "x")).await,
             "fencing_token",
         );
-        let failed = fail(&mut client, &id, bad_token, false, None).await;
+        let failed = fail(&mut app.client, &id, bad_token, false, None).await;
         assert_invalid(failed, "fencing_token");
         assert_invalid(
-            renew(&mut client, &id, bad_token, 10).await,
+            renew(&mut app.client, &id, bad_token, 10).await,
             "fencing_token",
         );
     }
     assert_eq!(
-        get(&mut client, &id).await.unwrap().state(),
+        get(&mut app.client, &id).await.unwrap().state(),
         pb::RecordState::InProgress
     );
 }

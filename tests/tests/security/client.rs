@@ -7,7 +7,6 @@ use std::time::Duration;
 use idempotency_client::{
     AcquireRequest, Acquisition, Client, Error, RecordId, RetryPolicy, TlsFiles, TokenSource,
 };
-use idempotency_server::startup::ServerConfig;
 use idempotency_tests::{http_get, metric_value};
 
 use crate::support::*;
@@ -32,13 +31,8 @@ async fn acquires(client: &Client, namespace: &str, key: &str) -> Result<(), Err
 /// A server whose connections last 500 ms, so a client reconnects (and
 /// presents its certificate again) within a test.
 async fn short_connections() -> Secured {
-    Secured::start_with(|config| {
-        let mut config = ServerConfig {
-            metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-            ..config
-        };
-        config.security.max_connection_age = Duration::from_millis(500);
-        config
+    Secured::start_with(|settings| {
+        settings.security.max_connection_age = Duration::from_millis(500);
     })
     .await
 }
@@ -110,7 +104,7 @@ async fn a_token_file_rotation_reaches_every_call_batches_included() {
     for result in futures_util::future::join_all(calls).await {
         result.expect("every call authenticated");
     }
-    let page = http_get(secured.server.metrics_addr.unwrap(), "/metrics").await;
+    let page = http_get(secured.server.metrics_addr, "/metrics").await;
     let batches = metric_value(
         &page,
         r#"idempotency_batch_items_count{rpc="BatchAcquire"}"#,
@@ -153,7 +147,7 @@ async fn auth_errors_are_typed_and_never_retried() {
         .await
         .unwrap_err();
     assert!(matches!(error, Error::Unauthenticated { .. }), "{error:?}");
-    let page = http_get(secured.server.metrics_addr.unwrap(), "/metrics").await;
+    let page = http_get(secured.server.metrics_addr, "/metrics").await;
     assert_eq!(
         metric_value(
             &page,

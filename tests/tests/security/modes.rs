@@ -2,11 +2,12 @@
 //! start, the metrics and the audit log.
 
 use idempotency_server::{
-    security::SecurityConfig,
-    startup::{Application, ServerConfig, StartupError},
+    settings::{SecurityArgs, Settings},
+    startup::{Application, StartupError},
 };
 use idempotency_tests::{
-    TestDb, TestServer, http_get, metric_value, security::SecurityFiles, server_pool, test_config,
+    TestDb, TestServer, http_get, metric_value, security::SecurityFiles, spawn_app, spawn_app_with,
+    test_settings,
 };
 use tokio_stream::StreamExt;
 use tonic::Code;
@@ -59,9 +60,8 @@ where
 
 #[tokio::test]
 async fn health_needs_no_credential_and_reflection_follows_the_policy() {
-    let secured = Secured::start_with(|config| ServerConfig {
-        health_addr: Some("127.0.0.1:0".parse().unwrap()),
-        ..config
+    let secured = Secured::start_with(|settings| {
+        settings.health_addr = Some("127.0.0.1:0".parse().unwrap());
     })
     .await;
     let channel =
@@ -106,26 +106,18 @@ async fn health_needs_no_credential_and_reflection_follows_the_policy() {
 
 #[tokio::test]
 async fn reflection_can_be_turned_off() {
-    let db = TestDb::new().await;
-    let server = TestServer::start_config(
-        &db,
-        ServerConfig {
-            reflection: false,
-            ..test_config()
-        },
-    )
-    .await;
-    let mut client = ServerReflectionClient::new(TestServer::channel_to(server.addr).await);
+    let app = spawn_app_with(|settings| settings.reflection = false).await;
+    let mut client = ServerReflectionClient::new(TestServer::channel_to(app.server.addr).await);
     let status = list_services(&mut client).await.unwrap_err();
     assert_eq!(status.code(), Code::Unimplemented, "{status:?}");
 }
 
-async fn refused_at_start(db: &TestDb, security: SecurityConfig) -> String {
-    let config = ServerConfig {
+async fn refused_at_start(db: &TestDb, security: SecurityArgs) -> String {
+    let settings = Settings {
         security,
-        ..test_config()
+        ..test_settings(db)
     };
-    match Application::build(config, server_pool(db.connect_options())).await {
+    match Application::build(settings).await {
         Err(error @ StartupError::Security(_)) => error.to_string(),
         Err(other) => panic!("refused for another reason: {other}"),
         Ok(_) => panic!("started with settings it should refuse"),
@@ -136,12 +128,13 @@ async fn refused_at_start(db: &TestDb, security: SecurityConfig) -> String {
 async fn security_settings_that_cannot_work_are_refused_at_start() {
     let db = TestDb::new().await;
     let files = SecurityFiles::new(&default_policy(), "{\"keys\": []}", &default_tokens());
-    let all = files.config();
+    let mut all = test_settings(&db).security;
+    files.apply(&mut all);
 
     let error = refused_at_start(
         &db,
-        SecurityConfig {
-            policy: None,
+        SecurityArgs {
+            auth_policy: None,
             ..all.clone()
         },
     )
@@ -149,10 +142,12 @@ async fn security_settings_that_cannot_work_are_refused_at_start() {
     assert!(error.contains("--auth-policy"), "{error}");
     let error = refused_at_start(
         &db,
-        SecurityConfig {
-            jwt: None,
+        SecurityArgs {
+            jwt_jwks: None,
             static_tokens: None,
-            tls: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_client_ca: None,
             ..all.clone()
         },
     )
@@ -171,8 +166,8 @@ async fn security_settings_that_cannot_work_are_refused_at_start() {
     );
     let error = refused_at_start(
         &db,
-        SecurityConfig {
-            jwt: None,
+        SecurityArgs {
+            jwt_jwks: None,
             ..all.clone()
         },
     )
@@ -183,33 +178,25 @@ async fn security_settings_that_cannot_work_are_refused_at_start() {
     );
 
     let mut missing = all.clone();
-    missing.jwt = None;
-    missing.policy = Some(files.dir.path("policy.toml"));
+    missing.jwt_jwks = None;
+    missing.auth_policy = Some(files.dir.path("policy.toml"));
     files.dir.write("policy.toml", default_policy());
-    missing.tls.as_mut().unwrap().cert = files.dir.path("no-such.crt");
+    missing.tls_cert = Some(files.dir.path("no-such.crt"));
     let error = refused_at_start(&db, missing).await;
     assert!(error.contains("no-such.crt"), "{error}");
 
     let mut mismatched = all.clone();
-    mismatched.jwt = None;
+    mismatched.jwt_jwks = None;
     files.dir.write("other.key", files.pki.server("other").key);
-    mismatched.tls.as_mut().unwrap().key = files.dir.path("other.key");
+    mismatched.tls_key = Some(files.dir.path("other.key"));
     let error = refused_at_start(&db, mismatched).await;
     assert!(error.contains("does not fit the certificate"), "{error}");
 }
 
 #[tokio::test]
 async fn an_open_server_says_so_in_its_metrics() {
-    let db = TestDb::new().await;
-    let server = TestServer::start_config(
-        &db,
-        ServerConfig {
-            metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-            ..test_config()
-        },
-    )
-    .await;
-    let page = http_get(server.metrics_addr.unwrap(), "/metrics").await;
+    let app = spawn_app().await;
+    let page = http_get(app.server.metrics_addr, "/metrics").await;
     assert_eq!(
         metric_value(&page, r#"idempotency_auth_mode{mode="none"}"#),
         Some(1.0),
@@ -224,11 +211,7 @@ async fn an_open_server_says_so_in_its_metrics() {
 #[tokio::test]
 async fn every_denial_is_counted_and_audited_without_the_credential() {
     let ((page, bad_token), events) = idempotency_tests::capture_logs(async {
-        let secured = Secured::start_with(|config| ServerConfig {
-            metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-            ..config
-        })
-        .await;
+        let secured = Secured::start().await;
         let bad_token = secured.rsa.sign(&idempotency_tests::security::claims(
             PAYMENTS_SA,
             idempotency_tests::security::ISSUER,
@@ -248,7 +231,7 @@ async fn every_denial_is_counted_and_audited_without_the_credential() {
             .await
             .unwrap_err();
 
-        let page = http_get(secured.server.metrics_addr.unwrap(), "/metrics").await;
+        let page = http_get(secured.server.metrics_addr, "/metrics").await;
         (page, bad_token)
     })
     .await;

@@ -50,11 +50,7 @@ async fn a_renewed_certificate_reaches_new_connections_while_open_ones_keep_work
 
 #[tokio::test]
 async fn policy_changes_apply_without_a_restart_and_a_broken_policy_keeps_the_last_good() {
-    let secured = Secured::start_with(|config| idempotency_server::startup::ServerConfig {
-        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-        ..config
-    })
-    .await;
+    let secured = Secured::start().await;
     let mut client = secured.mtls(PAYMENTS_SPIFFE).await;
     refused(
         acquire(&mut client, &id("refunds", "policy-key-0001")).await,
@@ -85,7 +81,7 @@ async fn policy_changes_apply_without_a_restart_and_a_broken_policy_keeps_the_la
         .files
         .dir
         .write("policy.toml", "[[grant]]\nprincipals = [\"x\"\n");
-    let metrics = secured.server.metrics_addr.unwrap();
+    let metrics = secured.server.metrics_addr;
     eventually("the broken policy being reported", || async move {
         let page = http_get(metrics, "/metrics").await;
         metric_value(&page, r#"idempotency_config_file_valid{file="policy"}"#) == Some(0.0)

@@ -4,13 +4,13 @@
 use std::time::Duration;
 
 use idempotency_client::pb::{self, acquire_response::Outcome};
-use idempotency_server::startup::ServerConfig;
+use idempotency_server::settings::Settings;
 use idempotency_tests::{
     TestDb, TestServer,
     security::{
         CertAndKey, JwtSigner, SecureClient, SecurityFiles, policy, static_tokens, tls_client,
     },
-    test_config,
+    test_settings,
 };
 use tonic::{Code, Status};
 use tonic_types::StatusExt;
@@ -62,10 +62,11 @@ pub struct Secured {
 
 impl Secured {
     pub async fn start() -> Self {
-        Self::start_with(|config| config).await
+        Self::start_with(|_| {}).await
     }
 
-    pub async fn start_with(adjust: impl FnOnce(ServerConfig) -> ServerConfig) -> Self {
+    /// [`Self::start`], with the settings changed by `adjust` first.
+    pub async fn start_with(adjust: impl FnOnce(&mut Settings)) -> Self {
         let rsa = JwtSigner::rs256("rsa-1");
         let ec = JwtSigner::es256("ec-1");
         let files = SecurityFiles::new(
@@ -74,11 +75,10 @@ impl Secured {
             &default_tokens(),
         );
         let db = TestDb::new().await;
-        let config = adjust(ServerConfig {
-            security: files.config(),
-            ..test_config()
-        });
-        let server = TestServer::start_config(&db, config).await;
+        let mut settings = test_settings(&db);
+        files.apply(&mut settings.security);
+        adjust(&mut settings);
+        let server = TestServer::start_with(settings).await;
         Self {
             db,
             server,
