@@ -18,6 +18,8 @@
 //! [`metrics`] (the name and HELP text of every metric), [`maintenance`]
 //! (the reaper and the table gauges), [`admin`] (the operator commands),
 //! [`shutdown`] (the process signal).
+//!
+//! A call followed file by file, the batching path and the tasks: `docs/architecture.md`.
 #![forbid(unsafe_code)]
 
 pub mod admin;
