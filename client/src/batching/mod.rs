@@ -183,6 +183,11 @@ impl<S: SendBatch> Batcher<S> {
     }
 
     /// Sends `request` alone or in a batch, and returns its own answer.
+    ///
+    /// It has no deadline of its own: its caller (`Client::attempts`) bounds
+    /// the whole call with the client's timeout. The request carries that
+    /// timeout, counted from now, as its deadline; a batch carries the latest
+    /// deadline of its calls.
     pub(crate) async fn call(&self, request: &S::Request) -> ItemResult<S::Response> {
         let bytes = request.encoded_len();
         if bytes > self.settings.max_bytes / 4 || self.learned.unsupported() {

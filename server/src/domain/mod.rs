@@ -13,8 +13,14 @@ pub use outcome::{AcquireOutcome, Record, RecordState};
 pub use record_id::{RecordFilter, RecordId};
 pub use response::{StoredResponse, ValidateResponse};
 
-/// Monotonic number of an attempt on one record: 1, then +1 on every takeover.
-/// A holder whose token is no longer current must not complete.
+/// The number of an attempt on one key, unique across the key's lifetimes.
+/// A lifetime (a new record, or the takeover of an expired one) starts at
+/// `idempotency_lifetime_token()`, the database clock in microseconds times
+/// 1024 (migration `20261201000001_fencing_tokens_per_lifetime.sql`); each
+/// takeover within the lifetime (a released record, a lapsed lease) adds one.
+/// So a key's later attempts hold larger tokens, unless the database clock
+/// steps back by more than the gap between two lifetimes. A holder whose
+/// token is no longer current must not complete.
 pub type FencingToken = u64;
 
 /// A point in time read from the database clock.
