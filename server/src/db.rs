@@ -41,6 +41,7 @@ pub struct PoolSettings {
     pub index_lookups_only: bool,
 }
 
+/// The flags' defaults (`settings.rs`'s tests keep the two equal).
 impl Default for PoolSettings {
     fn default() -> Self {
         Self {

@@ -27,6 +27,7 @@ pub struct ReaperSettings {
     pub limits: ReapLimits,
 }
 
+/// The flags' defaults (`settings.rs`'s tests keep the two equal).
 impl Default for ReaperSettings {
     fn default() -> Self {
         Self {

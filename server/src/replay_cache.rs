@@ -31,6 +31,7 @@ pub struct ReplayCacheSettings {
     pub max_age: Duration,
 }
 
+/// The flags' defaults (`settings.rs`'s tests keep the two equal).
 impl Default for ReplayCacheSettings {
     fn default() -> Self {
         Self {

@@ -5,7 +5,10 @@
 //! Each setting is declared once, here: [`Settings`] (the flags of `serve`)
 //! is what [`crate::startup::Application::build`] takes, and what the tests
 //! build too ([`Settings::from_flags`], then fields changed). A new setting
-//! is a field here, its use, and its line in the docs.
+//! is a field here, its use, and its line in the docs. The types the
+//! settings convert to (`Limits`, `PoolSettings`, `BatchSettings`, …) keep
+//! `Default` impls for tests that build them without flags; the tests below
+//! keep each equal to the flags' defaults.
 
 use std::{ffi::OsString, net::SocketAddr, path::PathBuf, time::Duration};
 
@@ -658,6 +661,24 @@ mod tests {
             "0",
         ]);
         assert!(zero.unwrap_err().to_string().contains("--max-connections"));
+    }
+
+    /// The settings types keep `Default` impls of their own (the tests build
+    /// servers and stores from them without flags): each must be what the
+    /// flags give by default, so that a default changed in one place fails
+    /// here instead of drifting.
+    #[test]
+    fn flag_defaults_are_the_settings_types_defaults() {
+        let settings = serve_without_env(&["serve", "--database-url", "postgres://db/x"]).unwrap();
+        assert_eq!(settings.limits(), Limits::default());
+        assert_eq!(settings.database.pool_settings(), PoolSettings::default());
+        assert_eq!(settings.batch_settings(), Some(BatchSettings::default()));
+        assert_eq!(
+            settings.replay_cache_settings(),
+            Some(ReplayCacheSettings::default())
+        );
+        assert_eq!(settings.reaper_settings(), Some(ReaperSettings::default()));
+        assert_eq!(settings.reaper.settings().limits, ReapLimits::default());
     }
 
     /// The `serve` command line alone: the tests run where DATABASE_URL is set.

@@ -31,6 +31,7 @@ const MIN_DURATION: Duration = Duration::from_secs(1);
 /// clients in every language accept by default.
 const MIN_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 
+/// The flags' defaults (`settings.rs`'s tests keep the two equal).
 impl Default for Limits {
     fn default() -> Self {
         Self {
