@@ -106,15 +106,16 @@ impl Application {
     /// Builds everything `serve` runs, from `settings`; binds the listeners
     /// but serves nothing until [`Self::run_until_stopped`].
     pub async fn build(settings: Settings) -> Result<Self, StartupError> {
-        // First: the parts built below register their metric handles once,
-        // when built (the replay cache's counters, the memory budget's and
-        // the security files' gauges), and a handle registered before the
-        // recorder is installed records nowhere. The replay cache takes the
-        // recorder as proof that it comes after.
+        // First: the parts built below register their metric handles or set
+        // their gauges once, when built (the replay cache's counters, the
+        // memory budget's and the security files' gauges), and what is
+        // registered or set before the recorder is installed records
+        // nowhere. Each of them takes the recorder as proof that it comes
+        // after, so this order is enforced by construction.
         let recorder = MetricsRecorder::install();
         let pool = serving_pool(&settings.database, settings.migrate).await?;
         check(&settings, &pool)?;
-        let security = Security::load(&settings.security.config())?;
+        let security = Security::load(&settings.security.config(), &recorder)?;
         let (grpc_listener, grpc_addr) = bind(settings.grpc_addr).await?;
         let (metrics_listener, metrics_addr) = bind(settings.metrics_addr).await?;
         let health_listener = match settings.health_addr {
@@ -132,6 +133,7 @@ impl Application {
             &settings,
             api,
             &security,
+            &recorder,
             grpc_listener,
             health_service.clone(),
         )?;
@@ -350,6 +352,7 @@ fn grpc_server(
     settings: &Settings,
     (api, namespaces): (IdempotencyServiceServer<GrpcService>, NamespaceLabels),
     security: &Security,
+    recorder: &MetricsRecorder,
     listener: TcpListener,
     health: HealthServer<impl Health>,
 ) -> Result<GrpcServer, StartupError> {
@@ -363,7 +366,7 @@ fn grpc_server(
         .transpose()?;
     let admission = AdmissionLayer::new(
         settings.limits(),
-        MemoryBudget::new(settings.max_in_flight_bytes),
+        MemoryBudget::new(settings.max_in_flight_bytes, recorder),
         namespaces,
     );
     let connections = settings.connections.settings();

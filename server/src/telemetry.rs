@@ -62,10 +62,11 @@ const BATCH_SIZE_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0
 /// (to render `/metrics`).
 ///
 /// A metric handle registered before the recorder is installed records
-/// nowhere, for good, and whatever registers its handles once, when it is
-/// built (the replay cache's counters), would silently never count. Such a
-/// part takes a `&MetricsRecorder` in its constructor, so it cannot be built
-/// first.
+/// nowhere, for good, and a gauge set then is lost: whatever registers its
+/// handles or sets its gauges once, when it is built (the replay cache's
+/// counters, the memory budget's gauges, the security files' gauges), would
+/// silently never count. Such a part takes a `&MetricsRecorder` in its
+/// constructor, so it cannot be built first.
 #[derive(Clone)]
 pub struct MetricsRecorder(PrometheusHandle);
 

@@ -39,7 +39,10 @@ use super::{
     status::{reason, to_status, with_reason},
     wire,
 };
-use crate::{domain::InvalidField, domain::Limits, metrics, metrics::NamespaceLabels};
+use crate::{
+    domain::InvalidField, domain::Limits, metrics, metrics::NamespaceLabels,
+    telemetry::MetricsRecorder,
+};
 
 /// What a call costs beyond its messages: its HTTP/2 stream, request and
 /// task state. bench/connections.py measured 9.1 KiB of server RSS per call
@@ -60,7 +63,9 @@ pub struct MemoryBudget {
 }
 
 impl MemoryBudget {
-    pub fn new(limit: usize) -> Arc<Self> {
+    /// Built after the metrics recorder is installed (hence the proof): it
+    /// registers its gauge here, once, and publishes its limit.
+    pub fn new(limit: usize, _installed: &MetricsRecorder) -> Arc<Self> {
         let gauge = ::metrics::gauge!(metrics::IN_FLIGHT_BYTES);
         gauge.set(0.0);
         ::metrics::gauge!(metrics::IN_FLIGHT_BYTES_LIMIT).set(limit as f64);
@@ -552,7 +557,7 @@ mod tests {
     fn rules(budget: usize) -> Rules {
         Rules {
             limits: Limits::default(),
-            budget: MemoryBudget::new(budget),
+            budget: MemoryBudget::new(budget, &MetricsRecorder::install()),
             namespaces: NamespaceLabels::new(10),
         }
     }

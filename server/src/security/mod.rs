@@ -15,6 +15,8 @@ use policy::Policy;
 use tls::{TlsFiles, TlsState};
 use watch::{FileError, Watched};
 
+use crate::telemetry::MetricsRecorder;
+
 /// The security settings of `serve`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SecurityConfig {
@@ -118,7 +120,12 @@ pub struct Security {
 
 impl Security {
     /// Reads every file; a missing or broken one is an error naming it.
-    pub fn load(config: &SecurityConfig) -> Result<Self, SecurityError> {
+    /// Built after the metrics recorder is installed (hence the proof): it
+    /// sets the mode's and the certificate's gauges here, once.
+    pub fn load(
+        config: &SecurityConfig,
+        _installed: &MetricsRecorder,
+    ) -> Result<Self, SecurityError> {
         match (config.authenticates(), config.policy.is_some()) {
             (true, false) => return Err(SecurityError::NoPolicy),
             (false, true) => return Err(SecurityError::PolicyWithoutCredentials),
