@@ -5,8 +5,16 @@
 //! metrics recorder, opens the pool (migrating first when asked), checks the
 //! settings against each other, loads the security files, binds the
 //! listeners (so it knows its ports: tests bind `127.0.0.1:0`), and wires
-//! the store, engine, replay cache, health and the gRPC stack. Nothing runs
-//! until [`Application::run_until_stopped`], which only serves, then drains.
+//! the store, engine, replay cache, health and the gRPC stack. Once it
+//! returns, nothing accepts a connection, probes, reaps or reads or writes
+//! the database until [`Application::run_until_stopped`], which only serves,
+//! then drains. (`build` itself reaches the database only to migrate, when
+//! asked: the pool connects lazily.) What is spawned before that touches
+//! nothing: the store's batch workers (`Store::with_batching`), idle until
+//! the server brings calls, which end when the store is dropped (with the
+//! [`Application`] when it is dropped unserved, else once the server has
+//! stopped and its last connection closed); and sqlx's pool upkeep, which
+//! closes idle connections and, with no minimum set, opens none.
 //!
 //! Every command opens its database with the functions at the end of this
 //! file ([`database_url`], [`pool`], [`migrate`]).
@@ -83,7 +91,9 @@ pub enum StartupError {
 type GrpcServer = Box<dyn FnOnce(oneshot::Receiver<()>) -> Serving + Send>;
 type Serving = Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>>;
 
-/// The server, built: every listener bound, every part wired, nothing running.
+/// The server, built: every listener bound, every part wired, nothing
+/// serving (only the store's idle batch workers are spawned; see the module
+/// docs).
 pub struct Application {
     grpc_addr: SocketAddr,
     metrics_addr: SocketAddr,
