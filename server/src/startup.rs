@@ -132,7 +132,8 @@ impl Application {
             Some(addr) => Some(bind(addr).await?),
             None => None,
         };
-        let (reporter, health_service) = health_not_serving().await;
+        let (reporter, health_service) =
+            health_not_serving(settings.limits().max_small_message_bytes()).await;
         let watcher = Box::pin(health::watch_database(
             pool.connect_options(),
             reporter.clone(),
@@ -322,9 +323,15 @@ async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), StartupErro
 }
 
 /// The health service, NOT_SERVING (liveness aside) until the watcher's
-/// first answer from the database.
-async fn health_not_serving() -> (HealthReporter, HealthServer<impl Health>) {
+/// first answer from the database. Its requests (a service name) are held to
+/// `max_message_bytes`: admission does not know them, so tonic's 4 MiB
+/// default would otherwise let each call buffer that much outside the
+/// memory budget.
+async fn health_not_serving(
+    max_message_bytes: usize,
+) -> (HealthReporter, HealthServer<impl Health>) {
     let (reporter, service) = tonic_health::server::health_reporter();
+    let service = service.max_decoding_message_size(max_message_bytes);
     health::set(&reporter, ServingStatus::NotServing).await;
     reporter
         .set_service_status(health::LIVENESS, ServingStatus::Serving)
@@ -366,14 +373,19 @@ fn grpc_server(
     listener: TcpListener,
     health: HealthServer<impl Health>,
 ) -> Result<GrpcServer, StartupError> {
+    // Reflection's requests (a symbol or a file name) are held to the small
+    // RPCs' limit, as health's are: admission does not know them.
+    let small = settings.limits().max_small_message_bytes();
     let reflection_v1 = settings
         .reflection
         .then(|| reflection().build_v1())
-        .transpose()?;
+        .transpose()?
+        .map(|service| service.max_decoding_message_size(small));
     let reflection_v1alpha = settings
         .reflection
         .then(|| reflection().build_v1alpha())
-        .transpose()?;
+        .transpose()?
+        .map(|service| service.max_decoding_message_size(small));
     let admission = AdmissionLayer::new(
         settings.limits(),
         MemoryBudget::new(settings.max_in_flight_bytes, recorder),

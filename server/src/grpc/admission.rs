@@ -17,6 +17,11 @@
 //! A call's charge is its message (twice: tonic's buffer and the decoded
 //! request) plus [`PER_CALL_BYTES`]; its reply's bytes are added as they are
 //! produced, and the whole charge is held until the reply has been sent.
+//!
+//! Only `idempotency.v1.IdempotencyService` is admitted here (a unit test
+//! checks that `Method::of` knows each of its methods); the other services
+//! on the port, health and reflection, pass through uncharged, and their
+//! servers hold a request to a small message's size instead (`startup.rs`).
 
 use std::{
     pin::Pin,
@@ -317,6 +322,7 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let Some(method) = Method::of(request.uri().path()) else {
+            // Health and reflection: their servers bound their requests.
             return Box::pin(inner.call(request));
         };
         let rules = self.rules.clone();
@@ -687,5 +693,29 @@ mod tests {
         };
         // 3 headers in one item, 4 allowed in all: left to the item's own check.
         assert!(check(Method::BatchComplete, &batch.encode_to_vec()).is_ok());
+    }
+
+    /// A method `Method::of` does not know passes admission unchecked: an
+    /// RPC added to the proto must be added there too.
+    #[test]
+    fn admission_knows_every_method_of_the_service() {
+        let files = prost_types::FileDescriptorSet::decode(pb::FILE_DESCRIPTOR_SET).unwrap();
+        let service = files
+            .file
+            .iter()
+            .filter(|file| file.package() == "idempotency.v1")
+            .flat_map(|file| &file.service)
+            .find(|service| service.name() == "IdempotencyService")
+            .expect("idempotency.v1.IdempotencyService in the descriptor set");
+        assert_eq!(
+            SERVICE_PREFIX,
+            format!("/idempotency.v1.{}/", service.name())
+        );
+        assert!(!service.method.is_empty());
+        for method in &service.method {
+            let path = format!("{SERVICE_PREFIX}{}", method.name());
+            let known = Method::of(&path).unwrap_or_else(|| panic!("admission skips {path}"));
+            assert_eq!(known.rpc(), method.name());
+        }
     }
 }

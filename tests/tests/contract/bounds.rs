@@ -9,9 +9,16 @@ use idempotency_server::settings::Settings;
 use idempotency_tests::{
     TestDb, TestServer, http_get, metric_value,
     raw::{self, Memory},
-    record_id, response, server_behind_proxy_with, spawn_app, test_settings, unique_key,
+    record_id, response, server_behind_proxy_with, spawn_app, spawn_app_with, test_settings,
+    unique_key,
 };
+use tokio_stream::StreamExt;
 use tonic::Code;
+use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+use tonic_reflection::pb::v1::{
+    ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
+    server_reflection_request::MessageRequest,
+};
 
 use crate::support::*;
 
@@ -114,6 +121,60 @@ async fn a_response_with_more_headers_than_the_limit_is_refused_before_decoding(
     assert_eq!(status.code(), Code::InvalidArgument);
     assert!(status.message().contains("response.headers"), "{status:?}");
     app.client.complete(with_headers(128)).await.unwrap();
+}
+
+/// Health and reflection are not the API: admission does not know their
+/// methods and charges them nothing, so their servers hold a request to a
+/// small message's 8 KiB instead of tonic's 4 MiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_and_reflection_refuse_requests_longer_than_a_small_message() {
+    let app = spawn_app_with(|settings| {
+        settings.health_addr = Some("127.0.0.1:0".parse().unwrap());
+    })
+    .await;
+    let long_name = "s".repeat(16 * 1024);
+    let health_addr = app.server.health_addr.expect("a health port");
+
+    for addr in [app.server.addr, health_addr] {
+        let mut health = HealthClient::new(TestServer::channel_to(addr).await);
+        let check = |service: &str| HealthCheckRequest {
+            service: service.into(),
+        };
+        let status = health.check(check(&long_name)).await.unwrap_err();
+        assert_eq!(status.code(), Code::OutOfRange, "{addr}: {status:?}");
+        let status = health.watch(check(&long_name)).await.unwrap_err();
+        assert_eq!(status.code(), Code::OutOfRange, "{addr}: {status:?}");
+        // A service name it does not know, of an ordinary length: answered.
+        let status = health.check(check("no.such.Service")).await.unwrap_err();
+        assert_eq!(status.code(), Code::NotFound, "{addr}: {status:?}");
+        health.check(check("liveness")).await.unwrap();
+    }
+
+    let mut reflection = ServerReflectionClient::new(TestServer::channel_to(app.server.addr).await);
+    let symbol = |name: &str| ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::FileContainingSymbol(name.into())),
+    };
+    // tonic-reflection ends the stream, without an answer, at a request it
+    // cannot decode.
+    let mut answers = reflection
+        .server_reflection_info(tokio_stream::iter([symbol(&long_name)]))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = answers.next().await;
+    assert!(
+        matches!(first, None | Some(Err(_))),
+        "an answer to a request over the limit: {first:?}"
+    );
+    let mut answers = reflection
+        .server_reflection_info(tokio_stream::iter([symbol(
+            "idempotency.v1.IdempotencyService",
+        )]))
+        .await
+        .unwrap()
+        .into_inner();
+    answers.next().await.unwrap().unwrap();
 }
 
 /// A server whose calls hang at a frozen database, with a memory budget
