@@ -406,6 +406,14 @@ async fn a_batched_acquire_that_waited_past_its_lease_is_answered_with_a_live_on
     complete(&mut client, &fresh, holder_token, response(201, "{}"))
         .await
         .expect("the holder's token still holds the record");
+    // Renewed once, when its statement's answer came: not a second time
+    // when the batch replied, as the renewal had just written the lease.
+    let page = http_get(app.server.metrics_addr, "/metrics").await;
+    let renewals = metric_value(
+        &page,
+        r#"idempotency_db_query_duration_seconds_count{query="renew"}"#,
+    );
+    assert_eq!(renewals, Some(1.0));
 }
 
 #[tokio::test]
@@ -455,3 +463,4 @@ async fn a_batch_reply_stays_within_the_message_limit_and_what_does_not_fit_is_s
         other => panic!("{other:?}"),
     }
 }
+
