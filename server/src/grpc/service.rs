@@ -378,7 +378,7 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
 /// Room in a batch's reply kept for what the budget admits past its limit:
 /// its items' errors (a few hundred bytes each at most), its ACQUIRED
 /// answers (under a hundred bytes each), and the reply's own framing. A
-/// hundred items of either fit.
+/// hundred items (the default `--max-batch-items`) of either fit.
 const REPLY_HEADROOM: usize = 64 * 1024;
 /// An answer's field tags and length prefixes in the reply.
 const ANSWER_FRAMING: usize = 16;
@@ -512,7 +512,6 @@ mod tests {
                     seconds: i64::MAX,
                     nanos: i32::MAX,
                 }),
-                ..Default::default()
             })),
         };
         // A hundred (the most items a batch may hold) fit the headroom.
