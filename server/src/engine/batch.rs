@@ -1,15 +1,15 @@
 //! A batch RPC's items, run together. Items for the same record run one
 //! after the other, in the order given: the k-th item for a record runs in
 //! round k (see [`rounds`]), whatever the store does with concurrent calls.
-//! Each round reaches the store as one unit (`insert_or_read_all`,
-//! `finish_all`), which its batcher puts in one statement when it can: a
-//! round of up to `--batch-max-size` distinct records (all of a round's are
-//! distinct) that share no record with a statement running then is one
-//! statement by construction; a larger round is split in order into
-//! statements of that size, and an item whose record another caller's
-//! running statement holds waits for the next one (see
-//! [`batch`](crate::store::batch)). Then each item's follow-ups (a
-//! takeover, a renewal, a miss explained) run concurrently.
+//! Each round's items that the replay cache does not answer reach the
+//! store as one unit (`insert_or_read_all`, `finish_all`), and a round's
+//! records are distinct, so with batching a
+//! round of up to `--batch-max-size` items is one statement by construction;
+//! a larger round is split, in order, into statements of that size. An item
+//! whose record another caller's call already has in that statement, or in
+//! a running one, waits for a later statement (see
+//! [`batch`](crate::store::batch)). Then each item's follow-ups (a takeover,
+//! a renewal, a miss explained) run concurrently.
 
 use std::{collections::HashMap, future::Future, sync::Arc, time::Instant};
 
