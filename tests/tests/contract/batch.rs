@@ -513,7 +513,10 @@ async fn a_full_batch_reply_still_holds_every_acquired_item() {
 
     for (item, outcome) in outcomes[..8].iter().enumerate() {
         if item < 4 {
-            assert!(matches!(outcome, Ok(Outcome::Completed(_))), "replay {item}");
+            assert!(
+                matches!(outcome, Ok(Outcome::Completed(_))),
+                "replay {item}"
+            );
         } else {
             let outcome = outcome.as_ref().map(|_| ()).map_err(Clone::clone);
             assert_error(outcome, Code::ResourceExhausted, "BATCH_REPLY_FULL");
