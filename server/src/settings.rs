@@ -169,7 +169,8 @@ pub struct Settings {
     /// Calls queue meanwhile and share the next statement, which is what
     /// makes batches large; a slow statement (a slow disk, a table lock)
     /// holds up the others no longer than this. (A row another session
-    /// holds never stalls a shared statement: its call runs alone.)
+    /// holds stalls a shared statement up to 100 ms; then every call in
+    /// that statement runs alone, and only the held row's calls wait on.)
     #[arg(long, env = "IDEMPOTENCY_BATCH_OVERLAP_AFTER", default_value = "20ms", value_parser = humantime::parse_duration)]
     pub batch_overlap_after: Duration,
     /// Most calls in one statement when batching.

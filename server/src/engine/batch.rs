@@ -1,8 +1,14 @@
 //! A batch RPC's items, run together. Items for the same record run one
 //! after the other, in the order given: the k-th item for a record runs in
 //! round k (see [`rounds`]), whatever the store does with concurrent calls.
-//! Each round reaches the store as one call, so a batch of new keys becomes
-//! one statement by construction; then each item's follow-ups (a takeover,
+//! Each round's items that the replay cache does not answer reach the
+//! store as one unit (`insert_or_read_all`, `finish_all`), and a round's
+//! records are distinct, so with batching a
+//! round of up to `--batch-max-size` items is one statement by construction;
+//! a larger round is split, in order, into statements of that size. An item
+//! whose record another caller's call already has in that statement, or in
+//! a running one, waits for a later statement (see
+//! [`batch`](crate::store::batch)). Then each item's follow-ups (a takeover,
 //! a renewal, a miss explained) run concurrently.
 
 use std::{collections::HashMap, future::Future, sync::Arc, time::Instant};
@@ -24,7 +30,7 @@ impl Engine {
     /// and an item whose row another session holds may wait up to the
     /// statement timeout, while the leases of the items acquired earlier run
     /// down: each acquired item's lease is held again (see `hold`) before
-    /// the answer, counted from the start of its round.
+    /// the answer, counted from its last write.
     pub async fn acquire_many(
         &self,
         requests: Vec<AcquireRequest>,
@@ -36,21 +42,14 @@ impl Engine {
         let answers = in_rounds(
             &inputs,
             |input| &input.id,
-            |round| async move {
-                let started = Instant::now();
-                let answers = self.acquire_round(round).await;
-                answers
-                    .into_iter()
-                    .map(|answer| (answer, started))
-                    .collect()
-            },
+            |round| self.acquire_round(round),
         )
         .await;
         join_all(
             inputs
                 .iter()
                 .zip(answers)
-                .map(|(input, (answer, started))| self.keep_live(input, answer, started)),
+                .map(|(input, answer)| self.keep_live(input, answer)),
         )
         .await
     }
@@ -92,22 +91,22 @@ impl Engine {
     }
 
     /// An item's answer once its batch is done: a held record's lease is
-    /// renewed if half of it passed since the item's round started, as
-    /// answering with a lease that has passed would let a second caller
-    /// take the key over, and both would run the business logic. If it can
-    /// no longer be renewed (taken over), the item is answered UNAVAILABLE.
+    /// renewed if half of it passed since it was last written (by the
+    /// item's statement, or by a renewal just after it), as answering with
+    /// a lease that has passed would let a second caller take the key over,
+    /// and both would run the business logic. If it can no longer be
+    /// renewed (taken over), the item is answered UNAVAILABLE.
     async fn keep_live(
         &self,
         input: &AcquireInput,
         answer: Result<Answer, Error>,
-        started: Instant,
     ) -> Result<AcquireOutcome, Error> {
-        let row = match answer? {
-            Answer::Held(row) => row,
+        let held = match answer? {
+            Answer::Held(held) => held,
             Answer::Outcome(outcome) => return Ok(outcome),
         };
-        match self.hold(input, row, started).await {
-            Ok(Some(row)) => Ok(acquired(row)),
+        match self.hold(input, held).await {
+            Ok(Some(held)) => Ok(acquired(held.row)),
             lost => {
                 let error = lost.err().map(|error| error.to_string());
                 tracing::warn!(

@@ -78,17 +78,26 @@ pub struct Engine {
 /// An Acquire's answer before it is sent: a record the caller holds keeps
 /// its row, so that a batch can renew the lease before replying.
 enum Answer {
-    Held(AcquiredRow),
+    Held(Held),
     Outcome(AcquireOutcome),
 }
 
 impl Answer {
     fn into_outcome(self) -> AcquireOutcome {
         match self {
-            Self::Held(row) => acquired(row),
+            Self::Held(held) => acquired(held.row),
             Self::Outcome(outcome) => outcome,
         }
     }
+}
+
+/// A record this caller holds: its row, and when the statement that last
+/// wrote its lease (the insert, the takeover, or a renewal) was sent. A
+/// lease is counted from there, so it is renewed only once half of it
+/// passed since that write, however many times it is looked at.
+struct Held {
+    row: AcquiredRow,
+    written: Instant,
 }
 
 impl Engine {
@@ -158,7 +167,8 @@ impl Engine {
     ) -> Result<Option<Answer>, Error> {
         let row = match found {
             AcquireAttempt::Inserted(row) => {
-                return Ok(self.hold(input, row, sent).await?.map(Answer::Held));
+                let held = Held { row, written: sent };
+                return Ok(self.hold(input, held).await?.map(Answer::Held));
             }
             AcquireAttempt::Raced => return Ok(None),
             AcquireAttempt::Existing(row) => row,
@@ -177,32 +187,31 @@ impl Engine {
                     // Someone else took it over, or it changed: look again.
                     return Ok(None);
                 };
-                Ok(self.hold(input, row, sent).await?.map(Answer::Held))
+                let held = Held { row, written: sent };
+                Ok(self.hold(input, held).await?.map(Answer::Held))
             }
         }
     }
 
     /// Holds a record a statement wrote for this caller: as written while
-    /// its lease is fresh (see [`still_fresh`]), else renewed under the
-    /// token just written. `None`: that token no longer holds the record
-    /// (the lease passed and another caller took the key over).
-    async fn hold(
-        &self,
-        input: &AcquireInput,
-        mut row: AcquiredRow,
-        sent: Instant,
-    ) -> Result<Option<AcquiredRow>, Error> {
-        let took = sent.elapsed();
+    /// its lease is fresh (see [`still_fresh`]: under half of it passed since
+    /// the last write), else renewed under the token just written, and then
+    /// written again. `None`: that token no longer holds the record (the
+    /// lease passed and another caller took the key over).
+    async fn hold(&self, input: &AcquireInput, held: Held) -> Result<Option<Held>, Error> {
+        let Held { mut row, written } = held;
+        let took = written.elapsed();
         if still_fresh(input.lease, took) {
-            return Ok(Some(row));
+            return Ok(Some(Held { row, written }));
         }
         tracing::warn!(
             key = %input.id.key(),
             took_ms = took.as_millis() as u64,
             lease_ms = input.lease.as_millis() as u64,
-            "half an Acquire's lease or more passed since its statement was sent; \
-             renewing before answering"
+            "half an Acquire's lease or more passed since the statement that wrote it \
+             was sent; renewing before answering"
         );
+        let sent = Instant::now();
         let renewed = Box::pin(
             self.store
                 .renew(&input.id, row.fencing_token(), input.lease),
@@ -211,7 +220,7 @@ impl Engine {
         Ok(renewed.map(|(lease_expires_at, expires_at)| {
             row.lease_expires_at = lease_expires_at;
             row.expires_at = expires_at;
-            row
+            Held { row, written: sent }
         }))
     }
 

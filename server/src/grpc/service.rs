@@ -124,7 +124,7 @@ impl GrpcService {
     ) -> Result<Vec<Result<T, tonic_types::pb::Status>>, Status>
     where
         Fut: Future<Output = Vec<Result<Out, Error>>>,
-        T: prost::Message,
+        T: ItemAnswer,
     {
         self.check_batch(rpc, requests.len())?;
         record_batch_items(rpc, requests.len());
@@ -375,19 +375,50 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
     }
 }
 
-/// Room in a batch's reply kept for its items' errors (a few hundred bytes
-/// each at most) and the reply's own framing.
+/// Room in a batch's reply kept for what the budget admits past its limit:
+/// its items' errors (a few hundred bytes each at most), its ACQUIRED
+/// answers (under a hundred bytes each), and the reply's own framing. A
+/// hundred items (the default `--max-batch-items`) of either fit.
 const REPLY_HEADROOM: usize = 64 * 1024;
 /// An answer's field tags and length prefixes in the reply.
 const ANSWER_FRAMING: usize = 16;
+
+/// A batch item's answer, as the reply budget sees it.
+trait ItemAnswer: prost::Message {
+    /// Whether the answer hands the caller a key (ACQUIRED): dropped, its
+    /// caller would never learn its token, and sending the item again would
+    /// find the key held (IN_PROGRESS) until the lease passed.
+    fn holds_key(&self) -> bool;
+}
+
+impl ItemAnswer for pb::AcquireResponse {
+    fn holds_key(&self) -> bool {
+        matches!(
+            self.outcome,
+            Some(pb::acquire_response::Outcome::Acquired(_))
+        )
+    }
+}
+
+impl ItemAnswer for pb::CompleteResponse {
+    /// A Complete sent again answers as the first did.
+    fn holds_key(&self) -> bool {
+        false
+    }
+}
 
 /// Keeps a batch's reply within the message size limit, which is also what
 /// gRPC clients accept by default. Replays carry stored responses of up to
 /// a MiB each, so a small request (a hundred Acquires of one large record)
 /// could otherwise ask for a reply of a hundred MiB, held in memory twice.
 /// Answers are counted in the items' order; one that does not fit is
-/// dropped at once, and its caller told to send it alone. The first answer
-/// always fits: a unary reply holds it.
+/// dropped at once, and its caller told to send it alone, which is safe for
+/// every answer but one that hands over a key: that one is small, and is
+/// counted but always admitted (the headroom covers a hundred of them). The
+/// budget applies after the engine ran the items, so only answers whose
+/// item may run again unchanged (replays, IN_PROGRESS, a mismatch, a
+/// Complete's time) are dropped. The first answer always fits: a unary
+/// reply holds it.
 struct ReplyBudget {
     max: usize,
     used: AtomicUsize,
@@ -401,15 +432,89 @@ impl ReplyBudget {
         }
     }
 
-    fn admit<T: prost::Message>(&self, answer: Result<T, Status>) -> Result<T, Status> {
+    fn admit<T: ItemAnswer>(&self, answer: Result<T, Status>) -> Result<T, Status> {
         let Ok(value) = answer else { return answer };
         let bytes = value.encoded_len() + ANSWER_FRAMING;
         let before = self.used.fetch_add(bytes, Ordering::Relaxed);
-        if before == 0 || before + bytes <= self.max {
+        if before == 0 || before + bytes <= self.max || value.holds_key() {
             Ok(value)
         } else {
             self.used.fetch_sub(bytes, Ordering::Relaxed);
             Err(batch_reply_full(self.max))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pb::acquire_response::Outcome;
+    use prost::Message;
+
+    const MAX_MESSAGE: usize = REPLY_HEADROOM + 1000;
+
+    fn replay(body: usize) -> pb::AcquireResponse {
+        pb::AcquireResponse {
+            outcome: Some(Outcome::Completed(pb::Completed {
+                response: Some(pb::StoredResponse {
+                    status_code: 200,
+                    body: vec![b'x'; body],
+                    ..Default::default()
+                }),
+                completed_at: None,
+            })),
+        }
+    }
+
+    fn acquired() -> pb::AcquireResponse {
+        pb::AcquireResponse {
+            outcome: Some(Outcome::Acquired(pb::Acquired {
+                fencing_token: u64::MAX,
+                ..Default::default()
+            })),
+        }
+    }
+
+    fn kept(budget: &ReplyBudget, answer: pb::AcquireResponse) -> bool {
+        budget.admit(Ok(answer)).is_ok()
+    }
+
+    #[test]
+    fn the_first_answer_always_fits() {
+        let budget = ReplyBudget::new(MAX_MESSAGE);
+        assert!(kept(&budget, replay(2000)));
+        assert!(!kept(&budget, replay(0)));
+    }
+
+    #[test]
+    fn a_full_reply_drops_replays_but_never_an_acquired_answer() {
+        let budget = ReplyBudget::new(MAX_MESSAGE);
+
+        assert!(kept(&budget, replay(900)));
+        assert!(!kept(&budget, replay(200)), "past the budget");
+        assert!(kept(&budget, replay(10)), "a smaller one still fits");
+        for _ in 0..100 {
+            assert!(kept(&budget, acquired()), "a key is never dropped");
+        }
+        assert!(!kept(&budget, replay(0)), "acquired answers are counted");
+    }
+
+    #[test]
+    fn an_acquired_answer_with_its_leases_is_small() {
+        let answer = pb::AcquireResponse {
+            outcome: Some(Outcome::Acquired(pb::Acquired {
+                fencing_token: u64::MAX,
+                lease_expires_at: Some(prost_types::Timestamp {
+                    seconds: i64::MAX,
+                    nanos: i32::MAX,
+                }),
+                expires_at: Some(prost_types::Timestamp {
+                    seconds: i64::MAX,
+                    nanos: i32::MAX,
+                }),
+            })),
+        };
+        // A hundred (the most items a batch may hold) fit the headroom.
+        assert!(100 * (answer.encoded_len() + ANSWER_FRAMING) < REPLY_HEADROOM / 2);
     }
 }

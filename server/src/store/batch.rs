@@ -9,25 +9,30 @@
 //! worker starts another only when the running one is slow (a slow disk, a
 //! table lock), so one stuck statement does not hold up every call.
 //!
-//! A statement holds at most [`BatchSettings::max_size`] calls and each
-//! record at most once; the calls it cannot hold go to the worker's next
-//! statement, in the order they came. A caller with several calls queues
-//! them as one unit ([`Batcher::run_all`]), which a statement takes whole
-//! when they are for distinct records and fit: they share a statement by
-//! construction, not because their futures happened to be polled together.
+//! A statement holds at most [`BatchSettings::max_size`] calls, each record
+//! at most once, and no record that a running statement holds. The calls it
+//! cannot hold are deferred: they go back to the front of the queue, in the
+//! order they came, for whichever worker starts the next statement; a call
+//! whose record a running statement holds waits for that one to end, so a
+//! record's calls run in the order they came, and see what the ones before
+//! did. A caller with several calls queues them as one unit
+//! ([`Batcher::run_all`]), which a statement takes whole when they are for
+//! distinct records and fit: they share a statement by construction, not
+//! because their futures happened to be polled together.
 //!
 //! A worker keeps what its statements need between them (for the store, a
-//! connection) while calls keep coming, and gives it back once it has
-//! waited [`KEEP_IDLE`] for calls or kept it [`KEEP_AT_MOST`].
+//! connection) while calls keep coming, and gives it back once its last
+//! statement ended [`KEEP_IDLE`] ago, or it kept it [`KEEP_AT_MOST`]: both
+//! are checked whenever the worker looks for calls, and while it waits.
 //!
-//! A worker never waits on a row that another session holds: its statement
-//! passes such a call over ([`Part::Alone`]), or fails as a whole for its
-//! rows' sake ([`StoreError::concerns_rows`]: a short lock wait ran out, a
-//! serialization failure or deadlock). Either way the caller then runs its
-//! own call alone, as a statement of its own that may wait, while the other
-//! calls of the batch are answered at once (or run again alone too, when the
-//! whole statement failed). A call whose caller has gone (its reply
-//! receiver dropped, e.g. past its deadline) is not run.
+//! A row that another session holds stalls a statement only briefly: the
+//! store's statements wait for it at most `BATCH_ROW_WAIT` (100 ms), then
+//! fail for their rows' sake ([`StoreError::concerns_rows`]: that lock wait
+//! ran out, a serialization failure or deadlock). Every caller of such a
+//! statement then runs its call alone, as a statement of its own that may
+//! wait, so that only the calls of the held row wait long, on connections of
+//! their own, while the worker takes the next batch. A call whose caller has
+//! gone (its reply receiver dropped, e.g. past its deadline) is not run.
 //!
 //! The parts: callers push onto a [`Queue`]; each [`Worker`] waits for
 //! calls, then for its turn to run a statement ([`Running`]), takes a batch
@@ -60,16 +65,6 @@ pub trait Batchable: Send + Sync + 'static {
     fn record(&self) -> &RecordId;
 }
 
-/// One call's share of a batch statement's result.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Part<O> {
-    /// The statement did the call's work: here is its answer.
-    Done(O),
-    /// The statement passed the call over (its row was held by another
-    /// session): its caller runs it alone.
-    Alone,
-}
-
 /// One kind of call as a batcher runs it: many calls as one statement, on a
 /// session a worker keeps, or one call alone for its caller.
 pub trait Statement: Send + Sync + 'static {
@@ -79,25 +74,29 @@ pub trait Statement: Send + Sync + 'static {
     /// connection).
     type Session: Send + 'static;
 
-    /// Runs one statement for `inputs` and answers in the same order. It
-    /// runs on `session`, the worker's kept one, or when there is none opens
-    /// one and leaves it there to be kept. It must not wait for rows other
-    /// sessions hold. After an error the worker gives the session up.
+    /// Runs one statement for `inputs`, which are for distinct records, and
+    /// answers in the same order. It runs on `session`, the worker's kept
+    /// one, or when there is none opens one and leaves it there to be kept.
+    /// A row another session holds it waits for only briefly (the store's:
+    /// `BATCH_ROW_WAIT`), then fails for its rows' sake
+    /// ([`StoreError::concerns_rows`]), and each of its calls runs alone.
+    /// After an error the worker gives the session up.
     fn run(
         &self,
         session: &mut Option<Self::Session>,
         inputs: &[Arc<Self::Input>],
-    ) -> impl Future<Output = StoreResult<Vec<Part<Self::Output>>>> + Send;
+    ) -> impl Future<Output = StoreResult<Vec<Self::Output>>> + Send;
 
-    /// Runs a call that a statement passed over, or whose statement failed
-    /// for its rows' sake, for its caller: waiting for its row if need be.
+    /// Runs a call whose statement failed for its rows' sake, for its
+    /// caller: waiting for its row if need be.
     fn run_alone(
         &self,
         input: Arc<Self::Input>,
     ) -> impl Future<Output = StoreResult<Self::Output>> + Send;
 }
 
-/// A worker that waited this long for calls gives its session back.
+/// A worker whose last statement ended this long ago gives its session
+/// back.
 pub const KEEP_IDLE: Duration = Duration::from_secs(1);
 /// A worker gives its session back after this long even while busy, so that
 /// the pool's own limits (a connection's lifetime) still apply.
@@ -130,17 +129,16 @@ impl Default for BatchSettings {
 /// re-runs each call alone.
 struct Job<I, O> {
     input: Arc<I>,
+    /// A hash, not a copy, of its record: a collision only defers a call
+    /// to a later statement, which is always correct.
+    record: u64,
     reply: oneshot::Sender<Reply<O>>,
 }
 
 type JobOf<S> = Job<<S as Statement>::Input, <S as Statement>::Output>;
+type QueueOf<S> = Queue<<S as Statement>::Input, <S as Statement>::Output>;
 
 impl<I, O> Job<I, O> {
-    fn new(input: Arc<I>) -> (Self, oneshot::Receiver<Reply<O>>) {
-        let (reply, answer) = oneshot::channel();
-        (Self { input, reply }, answer)
-    }
-
     /// Whether its caller still waits for the answer.
     fn wanted(&self) -> bool {
         !self.reply.is_closed()
@@ -150,23 +148,14 @@ impl<I, O> Job<I, O> {
 /// What a worker tells a caller.
 enum Reply<O> {
     Done(StoreResult<O>),
-    /// Run the call alone (see [`Part::Alone`]).
+    /// Run the call alone: its statement failed for its rows' sake.
     Alone,
-}
-
-impl<O> From<Part<O>> for Reply<O> {
-    fn from(part: Part<O>) -> Self {
-        match part {
-            Part::Done(output) => Self::Done(Ok(output)),
-            Part::Alone => Self::Alone,
-        }
-    }
 }
 
 /// Queues calls for a few workers that run them in batches.
 pub struct Batcher<S: Statement> {
     name: &'static str,
-    queue: Arc<Queue<JobOf<S>>>,
+    queue: Arc<QueueOf<S>>,
     statement: Arc<S>,
 }
 
@@ -184,9 +173,7 @@ impl<S: Statement> Batcher<S> {
                 queue: queue.clone(),
                 running: running.clone(),
                 statement: statement.clone(),
-                deferred: VecDeque::new(),
                 kept: Kept::default(),
-                hasher: RandomState::new(),
             };
             tokio::spawn(worker.work());
         }
@@ -197,20 +184,23 @@ impl<S: Statement> Batcher<S> {
         }
     }
 
-    /// Runs `input` in the next batch, or alone when the batch cannot do it
-    /// without waiting, and returns its own answer.
+    /// Runs `input` in the next batch that can hold it, or alone when its
+    /// batch fails for its rows' sake, and returns its own answer.
     pub async fn run(&self, input: Arc<S::Input>) -> StoreResult<S::Output> {
-        let (job, answer) = Job::new(input.clone());
+        let (job, answer) = self.queue.job(input.clone());
         self.queue.push(vec![job]);
         self.answer(input, answer).await
     }
 
     /// Runs `inputs` as one unit: in one statement when they are for
-    /// distinct records and no more than [`BatchSettings::max_size`] (else
-    /// in as few as those rules allow, in order). Answers in input order.
+    /// distinct records, no more than [`BatchSettings::max_size`], and for
+    /// none a running statement holds (else in as few as those rules allow,
+    /// in order). Answers in input order.
     pub async fn run_all(&self, inputs: Vec<Arc<S::Input>>) -> Vec<StoreResult<S::Output>> {
-        let (jobs, answers): (Vec<_>, Vec<_>) =
-            inputs.iter().map(|input| Job::new(input.clone())).unzip();
+        let (jobs, answers): (Vec<_>, Vec<_>) = inputs
+            .iter()
+            .map(|input| self.queue.job(input.clone()))
+            .unzip();
         if !jobs.is_empty() {
             self.queue.push(jobs);
         }
@@ -255,34 +245,54 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Calls waiting for a worker, in the order they came, a unit at a time: a
-/// call, or the calls of one [`Batcher::run_all`].
-struct Queue<J> {
-    state: Mutex<Queued<J>>,
+/// Calls waiting for a worker, shared by a batcher's workers: in the order
+/// they came, a unit at a time (a call, or the calls of one
+/// [`Batcher::run_all`]), with the deferred ones back at the front.
+struct Queue<I, O> {
+    state: Mutex<Queued<I, O>>,
     /// Wakes a worker waiting for calls.
     arrived: Notify,
+    hasher: RandomState,
 }
 
-struct Queued<J> {
-    units: VecDeque<Vec<J>>,
+struct Queued<I, O> {
+    units: VecDeque<Vec<Job<I, O>>>,
+    /// The records of the statements running now: their calls wait.
+    held: HashSet<u64>,
     /// The batcher was dropped: its workers stop.
     closed: bool,
 }
 
-impl<J> Default for Queue<J> {
+impl<I, O> Default for Queue<I, O> {
     fn default() -> Self {
         Self {
             state: Mutex::new(Queued {
                 units: VecDeque::new(),
+                held: HashSet::new(),
                 closed: false,
             }),
             arrived: Notify::new(),
+            hasher: RandomState::new(),
         }
     }
 }
 
-impl<J> Queue<J> {
-    fn push(&self, unit: Vec<J>) {
+impl<I: Batchable, O> Queue<I, O> {
+    /// A call for `input`, and where its answer comes.
+    fn job(&self, input: Arc<I>) -> (Job<I, O>, oneshot::Receiver<Reply<O>>) {
+        let (reply, answer) = oneshot::channel();
+        let record = self.hasher.hash_one(input.record());
+        let job = Job {
+            input,
+            record,
+            reply,
+        };
+        (job, answer)
+    }
+}
+
+impl<I, O> Queue<I, O> {
+    fn push(&self, unit: Vec<Job<I, O>>) {
         lock(&self.state).units.push_back(unit);
         self.arrived.notify_one();
     }
@@ -292,8 +302,8 @@ impl<J> Queue<J> {
         self.arrived.notify_waiters();
     }
 
-    /// Waits until calls are queued (`true`) or the batcher is dropped
-    /// (`false`).
+    /// Waits until a queued call can be taken, one whose record no running
+    /// statement holds (`true`), or the batcher is dropped (`false`).
     async fn ready(&self) -> bool {
         loop {
             let arrived = self.arrived.notified();
@@ -305,7 +315,7 @@ impl<J> Queue<J> {
                 if queued.closed {
                     return false;
                 }
-                if !queued.units.is_empty() {
+                if queued.takeable() {
                     return true;
                 }
             }
@@ -313,9 +323,81 @@ impl<J> Queue<J> {
         }
     }
 
-    /// Runs `take` on the queued units, under the lock.
-    fn take<T>(&self, take: impl FnOnce(&mut VecDeque<Vec<J>>) -> T) -> T {
-        take(&mut lock(&self.state).units)
+    /// The next statement's calls, taken in order: whole units up to the
+    /// first that does not fit, of each what the statement can hold. What
+    /// it cannot hold is deferred: back to the front of the queue, in
+    /// order, and another worker woken for it. The records taken are held
+    /// until the returned [`Taken`] is dropped.
+    fn take(&self, max_size: usize) -> Taken<'_, I, O> {
+        let mut queued = lock(&self.state);
+        let Queued { units, held, .. } = &mut *queued;
+        let mut batch = Batch::new(max_size, held);
+        let mut deferred = Vec::new();
+        while let Some(unit) = units.pop_front() {
+            if !batch.fits(&unit) {
+                units.push_front(unit);
+                break;
+            }
+            let rest = batch.take(unit);
+            if !rest.is_empty() {
+                deferred.push(rest);
+            }
+        }
+        let jobs = batch.jobs;
+        for unit in deferred.into_iter().rev() {
+            units.push_front(unit);
+        }
+        let records: Vec<u64> = jobs.iter().map(|job| job.record).collect();
+        held.extend(&records);
+        let more = !units.is_empty();
+        drop(queued);
+        if more {
+            self.arrived.notify_one();
+        }
+        Taken {
+            jobs,
+            records,
+            queue: self,
+        }
+    }
+
+    /// A statement ended: its records' later calls may be taken, by any
+    /// worker.
+    fn release(&self, records: &[u64]) {
+        let mut queued = lock(&self.state);
+        for record in records {
+            queued.held.remove(record);
+        }
+        let waiting = !queued.units.is_empty();
+        drop(queued);
+        if waiting && !records.is_empty() {
+            self.arrived.notify_waiters();
+        }
+    }
+}
+
+impl<I, O> Queued<I, O> {
+    /// Whether a worker would take a call now. (A call whose caller left
+    /// counts: taking drops it.)
+    fn takeable(&self) -> bool {
+        self.units
+            .iter()
+            .flatten()
+            .any(|job| !self.held.contains(&job.record))
+    }
+}
+
+/// The calls of a statement, whose records are held (their later calls
+/// wait) until it is dropped, also when its worker's task is.
+struct Taken<'q, I, O> {
+    jobs: Vec<Job<I, O>>,
+    records: Vec<u64>,
+    queue: &'q Queue<I, O>,
+}
+
+impl<I, O> Drop for Taken<'_, I, O> {
+    fn drop(&mut self) {
+        self.queue.release(&self.records);
     }
 }
 
@@ -388,33 +470,56 @@ impl Drop for Turn {
     }
 }
 
-/// The session a worker keeps between statements, and since when.
+/// The session a worker keeps between statements, since when, and when its
+/// last statement ended.
 struct Kept<S> {
     session: Option<S>,
-    since: Instant,
+    opened: Instant,
+    used: Instant,
 }
 
 impl<S> Default for Kept<S> {
     fn default() -> Self {
         Self {
             session: None,
-            since: Instant::now(),
+            opened: Instant::now(),
+            used: Instant::now(),
         }
     }
 }
 
 impl<S> Kept<S> {
+    /// When the kept session is to be given back: [`KEEP_IDLE`] after its
+    /// last statement ended, or [`KEEP_AT_MOST`] after it was opened,
+    /// whichever comes first. `None`: none is kept.
+    fn due(&self) -> Option<Instant> {
+        let due = (self.used + KEEP_IDLE).min(self.opened + KEEP_AT_MOST);
+        self.session.as_ref().map(|_| due)
+    }
+
+    /// Gives the session back if it is due.
+    fn expire(&mut self) {
+        if self.due().is_some_and(|due| due <= Instant::now()) {
+            self.session = None;
+        }
+    }
+
     /// The session for the next statement: the kept one unless it is
     /// [`KEEP_AT_MOST`] old, else none, and the one the statement opens is
     /// kept from now.
     fn for_statement(&mut self) -> &mut Option<S> {
-        if self.since.elapsed() >= KEEP_AT_MOST {
+        if self.opened.elapsed() >= KEEP_AT_MOST {
             self.session = None;
         }
         if self.session.is_none() {
-            self.since = Instant::now();
+            self.opened = Instant::now();
         }
         &mut self.session
+    }
+
+    /// A statement on it just ended.
+    fn used(&mut self) {
+        self.used = Instant::now();
     }
 
     fn give_back(&mut self) {
@@ -423,29 +528,31 @@ impl<S> Kept<S> {
 }
 
 /// The calls of the next statement, as they are taken: at most `max_size`,
-/// each record at most once.
-struct Batch<'h, I, O> {
+/// each record at most once, none that a running statement holds.
+struct Batch<'q, I, O> {
     jobs: Vec<Job<I, O>>,
-    /// Hashes, not copies, of the records the batch holds or passed over: a
-    /// collision only defers a call to the next statement, which is always
-    /// correct.
+    /// The records the batch holds or deferred a call of: a record's later
+    /// calls are deferred too, so that they keep their order.
     records: HashSet<u64>,
+    /// The records of the statements running now.
+    held: &'q HashSet<u64>,
     max_size: usize,
-    hasher: &'h RandomState,
 }
 
-impl<'h, I: Batchable, O> Batch<'h, I, O> {
-    fn new(max_size: usize, hasher: &'h RandomState) -> Self {
+impl<'q, I, O> Batch<'q, I, O> {
+    fn new(max_size: usize, held: &'q HashSet<u64>) -> Self {
         Self {
             jobs: Vec::with_capacity(max_size),
             records: HashSet::new(),
+            held,
             max_size,
-            hasher,
         }
     }
 
-    fn record(&self, job: &Job<I, O>) -> u64 {
-        self.hasher.hash_one(job.input.record())
+    /// Whether a call for `record` could join: no call of it is here yet,
+    /// and no running statement holds it.
+    fn is_new(&self, record: u64) -> bool {
+        !self.records.contains(&record) && !self.held.contains(&record)
     }
 
     /// Whether to take from `unit` at all: an empty batch takes from any
@@ -459,24 +566,24 @@ impl<'h, I: Batchable, O> Batch<'h, I, O> {
         let mut new = HashSet::new();
         let new_records = unit
             .iter()
-            .filter(|job| job.wanted())
-            .map(|job| self.record(job))
-            .filter(|record| !self.records.contains(record) && new.insert(*record))
+            .filter(|job| job.wanted() && self.is_new(job.record))
+            .filter(|job| new.insert(job.record))
             .count();
         new_records <= room
     }
 
-    /// Takes what it can of `unit` and hands back the rest, in order. A call
-    /// for a record already here (or passed over) waits for the next
-    /// statement, so that it sees what the one before did. A call whose
-    /// caller left is dropped.
+    /// Takes what it can of `unit` and hands back the rest, deferred, in
+    /// order. A call for a record already here, or held by a running
+    /// statement, waits for a later statement, so that it sees what the one
+    /// before did. A call whose caller left is dropped.
     fn take(&mut self, unit: Vec<Job<I, O>>) -> Vec<Job<I, O>> {
         let mut rest = Vec::new();
         for job in unit.into_iter().filter(Job::wanted) {
-            let new_record = self.records.insert(self.record(&job));
+            let new_record = !self.held.contains(&job.record) && self.records.insert(job.record);
             if new_record && self.jobs.len() < self.max_size {
                 self.jobs.push(job);
             } else {
+                self.records.insert(job.record);
                 rest.push(job);
             }
         }
@@ -489,75 +596,43 @@ impl<'h, I: Batchable, O> Batch<'h, I, O> {
 struct Worker<S: Statement> {
     name: &'static str,
     settings: BatchSettings,
-    queue: Arc<Queue<JobOf<S>>>,
-    /// Shared by the batcher's workers.
+    /// Shared by the batcher's workers, like `running`.
+    queue: Arc<QueueOf<S>>,
     running: Arc<Running>,
     statement: Arc<S>,
-    /// Calls its statements could not hold, for its next one, in order.
-    deferred: VecDeque<Vec<JobOf<S>>>,
     kept: Kept<S::Session>,
-    hasher: RandomState,
 }
 
 impl<S: Statement> Worker<S> {
     async fn work(mut self) {
+        let queue = self.queue.clone();
         while self.wait_for_calls().await {
             let _turn = self.running.claim(self.settings.overlap_after).await;
-            let jobs = self.take_batch();
-            if jobs.is_empty() {
+            let mut taken = queue.take(self.settings.max_size.max(1));
+            if taken.jobs.is_empty() {
                 continue; // Another worker took them, or their callers left.
             }
             metrics::histogram!(crate::metrics::DB_BATCH_SIZE, "query" => self.name)
-                .record(jobs.len() as f64);
-            self.run_batch(jobs).await;
+                .record(taken.jobs.len() as f64);
+            self.run_batch(std::mem::take(&mut taken.jobs)).await;
+            // `taken` drops here: its records' later calls may run.
         }
         // The batcher was dropped: the kept session goes with the worker.
     }
 
-    /// Waits for calls: deferred ones, or queued ones. A long wait gives the
-    /// session back. `false`: the batcher was dropped.
+    /// Waits for calls it can take. A session kept too long, or idle since
+    /// its last statement, is given back first, and while it waits. `false`:
+    /// the batcher was dropped.
     async fn wait_for_calls(&mut self) -> bool {
-        if !self.deferred.is_empty() {
-            return true;
-        }
-        match tokio::time::timeout(KEEP_IDLE, self.queue.ready()).await {
-            Ok(open) => open,
-            Err(_) => {
-                self.kept.give_back();
-                self.queue.ready().await
+        loop {
+            self.kept.expire();
+            let Some(due) = self.kept.due() else {
+                return self.queue.ready().await;
+            };
+            if let Ok(open) = tokio::time::timeout_at(due, self.queue.ready()).await {
+                return open;
             }
         }
-    }
-
-    /// The next statement's calls: deferred ones first, then queued ones,
-    /// up to the first unit that does not fit. What it cannot hold is
-    /// deferred to the next, in order.
-    fn take_batch(&mut self) -> Vec<JobOf<S>> {
-        let mut batch = Batch::new(self.settings.max_size.max(1), &self.hasher);
-        let mut later = VecDeque::new();
-        let mut earlier = std::mem::take(&mut self.deferred);
-        while let Some(unit) = earlier.pop_front() {
-            if !batch.fits(&unit) {
-                earlier.push_front(unit);
-                break;
-            }
-            later.push_back(batch.take(unit));
-        }
-        if earlier.is_empty() {
-            self.queue.take(|units| {
-                while let Some(unit) = units.pop_front() {
-                    if !batch.fits(&unit) {
-                        units.push_front(unit);
-                        break;
-                    }
-                    later.push_back(batch.take(unit));
-                }
-            });
-        }
-        later.append(&mut earlier);
-        later.retain(|unit| !unit.is_empty());
-        self.deferred = later;
-        batch.jobs
     }
 
     /// Runs `jobs` as one statement and answers each caller.
@@ -565,16 +640,16 @@ impl<S: Statement> Worker<S> {
         let (inputs, replies): (Vec<_>, Vec<_>) =
             jobs.into_iter().map(|job| (job.input, job.reply)).unzip();
         match self.run_statement(&inputs).await {
-            Ok(parts) if parts.len() == inputs.len() => {
-                for (reply, part) in replies.into_iter().zip(parts) {
-                    let _ = reply.send(part.into());
+            Ok(outputs) if outputs.len() == inputs.len() => {
+                for (reply, output) in replies.into_iter().zip(outputs) {
+                    let _ = reply.send(Reply::Done(Ok(output)));
                 }
             }
-            Ok(parts) => {
+            Ok(outputs) => {
                 let error = StoreError::Corrupt(format!(
                     "a batch of {} answered {} results",
                     inputs.len(),
-                    parts.len()
+                    outputs.len()
                 ));
                 answer_all(replies, || Reply::Done(Err(error.clone())));
             }
@@ -605,15 +680,14 @@ impl<S: Statement> Worker<S> {
             let result = self
                 .run_statement(std::slice::from_ref(input))
                 .await
-                .and_then(|mut parts| {
-                    parts
+                .and_then(|mut outputs| {
+                    outputs
                         .pop()
                         .ok_or_else(|| StoreError::Corrupt("no result".into()))
                 });
             let _ = reply.send(match result {
-                Ok(part) => part.into(),
                 Err(error) if error.concerns_rows() => Reply::Alone,
-                Err(error) => Reply::Done(Err(error)),
+                result => Reply::Done(result),
             });
         }
     }
@@ -621,11 +695,9 @@ impl<S: Statement> Worker<S> {
     /// Runs one statement on the kept session. After an error the session
     /// is given back (the store's pool checks a connection before anyone
     /// uses it again).
-    async fn run_statement(
-        &mut self,
-        inputs: &[Arc<S::Input>],
-    ) -> StoreResult<Vec<Part<S::Output>>> {
+    async fn run_statement(&mut self, inputs: &[Arc<S::Input>]) -> StoreResult<Vec<S::Output>> {
         let result = self.statement.run(self.kept.for_statement(), inputs).await;
+        self.kept.used();
         if result.is_err() {
             self.kept.give_back();
         }

@@ -9,7 +9,7 @@ use futures_util::future::join_all;
 
 use super::{
     AcquiredRow, Connection, Db, RecordRow, Store, StoreError, StoreResult,
-    batch::{BatchSettings, Batchable, Batcher, Part, Statement},
+    batch::{BatchSettings, Batchable, Batcher, Statement},
     statements::{self, RowWait},
 };
 use crate::{
@@ -186,11 +186,10 @@ impl Statement for Acquires {
         &self,
         kept: &mut Option<Connection>,
         inputs: &[Arc<AcquireInput>],
-    ) -> StoreResult<Vec<Part<AcquireAttempt>>> {
+    ) -> StoreResult<Vec<AcquireAttempt>> {
         let _timer = QueryTimer::start("acquire");
         let connection = self.0.kept(kept).await?;
-        let attempts = statements::insert_or_read(connection, inputs, RowWait::Brief).await?;
-        Ok(attempts.into_iter().map(Part::Done).collect())
+        statements::insert_or_read(connection, inputs, RowWait::Brief).await
     }
 
     async fn run_alone(&self, input: Arc<AcquireInput>) -> StoreResult<AcquireAttempt> {
@@ -210,11 +209,10 @@ impl Statement for Finishes {
         &self,
         kept: &mut Option<Connection>,
         inputs: &[Arc<FinishInput>],
-    ) -> StoreResult<Vec<Part<Option<Timestamp>>>> {
+    ) -> StoreResult<Vec<Option<Timestamp>>> {
         let _timer = QueryTimer::start("finish");
         let connection = self.0.kept(kept).await?;
-        let finished = statements::finish(connection, inputs, RowWait::Brief).await?;
-        Ok(finished.into_iter().map(Part::Done).collect())
+        statements::finish(connection, inputs, RowWait::Brief).await
     }
 
     async fn run_alone(&self, input: Arc<FinishInput>) -> StoreResult<Option<Timestamp>> {

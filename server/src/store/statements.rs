@@ -7,7 +7,12 @@
 //! Insert-or-read and finish take any number of calls at once, as arrays in
 //! key order (see [`KeyOrder`]); each row they return carries its input's
 //! place in those arrays (`ord`, from `WITH ORDINALITY`), which maps it back
-//! to its caller.
+//! to its caller. Their inputs must be for distinct records: with one record
+//! twice, the insert's `JOIN inserted USING (...)` would answer `Inserted`
+//! to both, and the update would apply only one of them, chosen by
+//! Postgres. The batcher guarantees it (a statement holds each record once:
+//! `batch::Batch::take`), a call alone has one input, and a debug build
+//! checks it ([`KeyOrder::of`]).
 
 use std::{sync::Arc, time::Duration};
 
@@ -47,16 +52,30 @@ impl RowWait {
     }
 }
 
-/// Inputs in key order. Every statement touches its rows in this order, so
-/// two concurrent statements sharing records wait for each other instead of
-/// deadlocking.
+/// Inputs in key order, which is the order the insert inserts (and so
+/// locks) its rows in (`ORDER BY ord`): two concurrent inserts sharing keys
+/// wait for each other instead of deadlocking. The update (`UPDATE ... FROM
+/// v`) promises no order: two finishes sharing records could deadlock, and
+/// Postgres then fails one (40P01), which counts as failing for its rows'
+/// sake (`StoreError::concerns_rows`): its calls run again alone. (The
+/// statements of one batcher never share a record: a call waits for the
+/// end of the running statement that holds its record. Calls alone and
+/// other replicas' statements may.)
 struct KeyOrder(Vec<usize>);
 
 impl KeyOrder {
+    /// The key order of `records`, which must be distinct (see the module
+    /// docs; checked in debug builds).
     fn of<'a>(records: impl Iterator<Item = &'a RecordId>) -> Self {
         let records: Vec<&RecordId> = records.collect();
         let mut order: Vec<usize> = (0..records.len()).collect();
         order.sort_by(|&a, &b| sort_key(records[a]).cmp(&sort_key(records[b])));
+        debug_assert!(
+            order
+                .windows(2)
+                .all(|pair| records[pair[0]] != records[pair[1]]),
+            "a statement's inputs are for distinct records"
+        );
         Self(order)
     }
 
@@ -348,5 +367,13 @@ mod tests {
         assert_eq!(order.input(3), Some(0));
         assert_eq!(order.input(0), None);
         assert_eq!(order.input(4), None);
+    }
+
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "distinct records")]
+    fn inputs_for_one_record_twice_are_refused_in_debug_builds() {
+        let ids = [id("key-aaaa"), id("key-bbbb"), id("key-aaaa")];
+        KeyOrder::of(ids.iter());
     }
 }

@@ -406,6 +406,14 @@ async fn a_batched_acquire_that_waited_past_its_lease_is_answered_with_a_live_on
     complete(&mut client, &fresh, holder_token, response(201, "{}"))
         .await
         .expect("the holder's token still holds the record");
+    // Renewed once, when its statement's answer came: not a second time
+    // when the batch replied, as the renewal had just written the lease.
+    let page = http_get(app.server.metrics_addr, "/metrics").await;
+    let renewals = metric_value(
+        &page,
+        r#"idempotency_db_query_duration_seconds_count{query="renew"}"#,
+    );
+    assert_eq!(renewals, Some(1.0));
 }
 
 #[tokio::test]
@@ -453,5 +461,71 @@ async fn a_batch_reply_stays_within_the_message_limit_and_what_does_not_fit_is_s
     match acquire(&mut client, &id, b"fp").await {
         Outcome::Completed(completed) => assert_eq!(completed.response, Some(large)),
         other => panic!("{other:?}"),
+    }
+}
+
+/// An ACQUIRED answer is never dropped from a full reply: its caller would
+/// never learn its token, and a resend would find the key held (IN_PROGRESS)
+/// until the lease passed. Replays, safe to send again, are dropped instead.
+#[tokio::test]
+async fn a_full_batch_reply_still_holds_every_acquired_item() {
+    // The server's reply budget: its 4 MiB message limit less 64 KiB of
+    // room for errors, and 16 bytes of framing per answer.
+    const BUDGET: usize = 4 * 1024 * 1024 - 64 * 1024;
+    const FRAMING: usize = 16;
+    // Four replays leave about this much of the budget, which the new
+    // keys' answers after them overrun many times over.
+    const LEFT: usize = 1_000;
+    const FRESH: usize = 90;
+    let app = spawn_app().await;
+    let mut client = app.server.client.clone();
+    let answer = |body: usize| {
+        pb::AcquireResponse {
+            outcome: Some(Outcome::Completed(pb::Completed {
+                response: Some(pb::StoredResponse {
+                    status_code: 200,
+                    body: vec![b'x'; body],
+                    ..Default::default()
+                }),
+                completed_at: Some(prost_types::Timestamp {
+                    seconds: 4_000_000_000,
+                    nanos: 999_999_999,
+                }),
+            })),
+        }
+        .encoded_len()
+    };
+    let envelope = answer(1_000_000) - 1_000_000;
+    let body = (BUDGET - LEFT) / 4 - FRAMING - envelope;
+    let large = pb::StoredResponse {
+        status_code: 200,
+        body: vec![b'x'; body],
+        ..Default::default()
+    };
+    let id = record_id(&unique_key("large-replay"));
+    let t = token(&acquire(&mut client, &id, b"fp").await);
+    complete(&mut client, &id, t, large.clone()).await.unwrap();
+
+    // Eight replays of it, then the new keys.
+    let mut requests: Vec<_> = (0..8).map(|_| acquire_item(&id, b"fp")).collect();
+    requests.extend((0..FRESH).map(|_| acquire_item(&record_id(&unique_key("fresh")), b"fp")));
+    let outcomes = batch_acquire(&mut client, requests).await;
+
+    for (item, outcome) in outcomes[..8].iter().enumerate() {
+        if item < 4 {
+            assert!(
+                matches!(outcome, Ok(Outcome::Completed(_))),
+                "replay {item}"
+            );
+        } else {
+            let outcome = outcome.as_ref().map(|_| ()).map_err(Clone::clone);
+            assert_error(outcome, Code::ResourceExhausted, "BATCH_REPLY_FULL");
+        }
+    }
+    for (item, outcome) in outcomes[8..].iter().enumerate() {
+        assert!(
+            matches!(outcome, Ok(Outcome::Acquired(_))),
+            "new key {item}: {outcome:?}"
+        );
     }
 }

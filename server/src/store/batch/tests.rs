@@ -52,8 +52,6 @@ const ALONE: Ran = Ran {
 enum Script {
     /// Answers every call.
     Answer,
-    /// Passes over calls of keys ending in "-held", answers the others.
-    PassOverHeld,
     /// Fails whole, with this Postgres error code, when a call's key ends
     /// in "-held"; answers every call otherwise.
     FailWhenHeld(&'static str),
@@ -73,8 +71,8 @@ impl Drop for Session {
     }
 }
 
-/// A statement in memory that takes `takes` on the paused clock and notes
-/// what it ran.
+/// A statement in memory that takes `takes` on the paused clock (a hundred
+/// times that with a call whose key ends in "-stuck") and notes what it ran.
 struct Fake {
     script: Script,
     takes: Duration,
@@ -118,26 +116,20 @@ impl Fake {
         self.ended.load(Ordering::SeqCst)
     }
 
-    fn answers(&self, inputs: &[Arc<Call>], ran: Ran) -> StoreResult<Vec<Part<Ran>>> {
+    fn answers(&self, inputs: &[Arc<Call>], ran: Ran) -> StoreResult<Vec<Ran>> {
         let held = |call: &Arc<Call>| call.0.key().ends_with("-held");
         match self.script {
-            Script::Answer => Ok(vec![Part::Done(ran); inputs.len()]),
-            Script::PassOverHeld => Ok(inputs
-                .iter()
-                .map(|call| {
-                    if held(call) {
-                        Part::Alone
-                    } else {
-                        Part::Done(ran)
-                    }
-                })
-                .collect()),
             Script::FailWhenHeld(code) if inputs.iter().any(held) => {
                 Err(sqlx::Error::Database(Box::new(Coded(code))).into())
             }
-            Script::FailWhenHeld(_) => Ok(vec![Part::Done(ran); inputs.len()]),
+            Script::Answer | Script::FailWhenHeld(_) => Ok(vec![ran; inputs.len()]),
             Script::AnswerNothing => Ok(Vec::new()),
         }
+    }
+
+    fn takes(&self, inputs: &[Arc<Call>]) -> Duration {
+        let stuck = inputs.iter().any(|call| call.0.key().ends_with("-stuck"));
+        if stuck { 100 * self.takes } else { self.takes }
     }
 }
 
@@ -150,7 +142,7 @@ impl Statement for Arc<Fake> {
         &self,
         session: &mut Option<Session>,
         inputs: &[Arc<Call>],
-    ) -> StoreResult<Vec<Part<Ran>>> {
+    ) -> StoreResult<Vec<Ran>> {
         let session = session.get_or_insert_with(|| Session {
             number: self.opened.fetch_add(1, Ordering::SeqCst) + 1,
             ended: self.ended.clone(),
@@ -160,7 +152,7 @@ impl Statement for Arc<Fake> {
             statements.push((Instant::now(), keys(inputs)));
             statements.len()
         };
-        tokio::time::sleep(self.takes).await;
+        tokio::time::sleep(self.takes(inputs)).await;
         let ran = Ran {
             statement,
             session: session.number,
@@ -539,28 +531,61 @@ async fn a_second_worker_waits_for_a_statement_that_is_not_slow() {
     assert_eq!(starts, [Duration::ZERO, OVERLAP / 2]);
 }
 
-// Calls that run alone.
-
 #[tokio::test(start_paused = true)]
-async fn a_call_its_statement_passed_over_runs_alone_and_only_it() {
-    let (batcher, fake) = one_worker(Script::PassOverHeld);
+async fn a_run_alls_overflow_runs_on_another_worker_while_the_first_statement_is_stuck() {
+    let fake = Fake::new(Script::Answer, TAKES);
+    let batcher = spawn(
+        &fake,
+        BatchSettings {
+            max_size: 2,
+            ..settings(2)
+        },
+    );
+    let start = Instant::now();
 
-    let answers = run_behind_first(
-        &batcher,
-        "key-0000",
-        &["key-0001", "key-0002-held", "key-0003"],
-    )
-    .await;
+    let group = ["key-0001-stuck", "key-0002", "key-0003", "key-0004"];
+    let answers: Vec<Ran> = batcher
+        .run_all(group.iter().map(|key| call(key)).collect())
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
 
-    let answers: Vec<Ran> = answers.into_iter().map(Result::unwrap).collect();
-    assert_eq!(answers[1], ALONE);
-    assert!(answers[0] != ALONE && answers[2] != ALONE, "{answers:?}");
-    assert_eq!(fake.alone(), ["key-0002-held"]);
+    let statements: Vec<usize> = answers.iter().map(|ran| ran.statement).collect();
+    assert_eq!(statements, [1, 1, 2, 2]);
+    // The second worker, on its own session, once the first ran overlap_after.
+    assert_eq!((answers[0].session, answers[2].session), (1, 2));
+    let starts: Vec<Duration> = fake.starts().iter().map(|at| *at - start).collect();
+    assert_eq!(starts, [Duration::ZERO, OVERLAP]);
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_call_run_all_passed_over_runs_alone_and_answers_in_its_place() {
-    let (batcher, fake) = one_worker(Script::PassOverHeld);
+async fn a_records_next_call_waits_for_the_running_statement_holding_it_while_others_go_ahead() {
+    let fake = Fake::new(Script::Answer, TAKES);
+    let batcher = spawn(&fake, settings(2));
+    let start = Instant::now();
+
+    let (twice, other) = tokio::join!(
+        batcher.run_all(vec![call("key-0001-stuck"), call("key-0001-stuck")]),
+        async {
+            tokio::time::sleep(MS).await;
+            batcher.run(call("key-0002")).await
+        }
+    );
+
+    assert_eq!(statement_numbers(twice), [1, 3]);
+    assert_eq!(other.unwrap().statement, 2);
+    let starts: Vec<Duration> = fake.starts().iter().map(|at| *at - start).collect();
+    // The record's second call waits for its first statement to end; the
+    // other call behind it does not.
+    assert_eq!(starts, [Duration::ZERO, OVERLAP, 100 * TAKES]);
+}
+
+// Calls that run alone.
+
+#[tokio::test(start_paused = true)]
+async fn a_run_all_whose_statement_failed_for_its_rows_runs_each_call_alone_in_its_place() {
+    let (batcher, fake) = one_worker(Script::FailWhenHeld("55P03"));
 
     let group = ["key-0001", "key-0002-held", "key-0003"];
     let answers = batcher
@@ -568,9 +593,8 @@ async fn a_call_run_all_passed_over_runs_alone_and_answers_in_its_place() {
         .await;
 
     let answers: Vec<Ran> = answers.into_iter().map(Result::unwrap).collect();
-    assert_eq!(answers[1], ALONE);
-    assert!(answers[0] != ALONE && answers[2] != ALONE, "{answers:?}");
-    assert_eq!(fake.alone(), ["key-0002-held"]);
+    assert_eq!(answers, [ALONE, ALONE, ALONE]);
+    assert_eq!(fake.alone(), group);
 }
 
 #[tokio::test(start_paused = true)]
@@ -729,6 +753,45 @@ async fn every_idle_worker_gives_its_session_back() {
     tokio::time::sleep(KEEP_IDLE * 2).await;
 
     assert_eq!(fake.ended(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_worker_woken_for_nothing_still_gives_its_session_back_once_idle() {
+    let (batcher, fake) = one_worker(Script::Answer);
+    let start = Instant::now();
+    batcher.run(call("key-0001")).await.unwrap();
+
+    // Wakes that find nothing to run (as when another worker took the
+    // calls): calls whose callers left before the worker looked.
+    for wake in 1..=4 {
+        tokio::time::sleep_until(start + wake * KEEP_IDLE / 4).await;
+        let (job, answer) = batcher.queue.job(call("key-0002"));
+        drop(answer);
+        batcher.queue.push(vec![job]);
+    }
+    tokio::time::sleep_until(start + TAKES + KEEP_IDLE + MS).await;
+
+    // Idle counts from the end of the last statement, not from a wake.
+    assert_eq!(fake.statements().len(), 1);
+    assert_eq!(fake.ended(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_busy_worker_gives_its_session_back_at_keep_at_most_while_it_waits() {
+    let (batcher, fake) = one_worker(Script::Answer);
+    let start = Instant::now();
+    let mut at = Duration::ZERO;
+    while at < KEEP_AT_MOST {
+        tokio::time::sleep_until(start + at).await;
+        let key = format!("key-{:08}", at.as_millis());
+        assert_eq!(batcher.run(call(&key)).await.unwrap().session, 1);
+        at += KEEP_IDLE / 2;
+    }
+
+    // Its last statement ended under KEEP_IDLE ago.
+    tokio::time::sleep_until(start + KEEP_AT_MOST + MS).await;
+
+    assert_eq!(fake.ended(), 1);
 }
 
 #[tokio::test(start_paused = true)]
