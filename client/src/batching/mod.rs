@@ -269,18 +269,18 @@ impl<S: SendBatch> Dispatcher<S> {
                 self.held = Some(job);
             }
             let permit = match permits.clone().try_acquire_owned() {
-                Ok(permit) => {
-                    // One turn of the scheduler before sending: calls that
-                    // are ready to run (typically the callers woken by the
-                    // same reply) join this batch instead of each taking a
-                    // permit alone. A lone caller loses microseconds.
-                    tokio::task::yield_now().await;
-                    permit
-                }
+                Ok(permit) => permit,
                 // All on the wire: what queues meanwhile goes together once
                 // one is back.
                 Err(_) => permits.clone().acquire_owned().await.expect("never closed"),
             };
+            // One turn of the scheduler before sending: calls that are ready
+            // to run (typically the callers woken by the same reply) join
+            // this batch instead of each taking a permit alone. Needed after
+            // waiting for a permit too: the reply that frees one wakes its
+            // callers first, but the scheduler may run this task (woken
+            // last) before them. A lone caller loses microseconds.
+            tokio::task::yield_now().await;
             let batch = self.take_batch();
             if !batch.is_empty() {
                 let (sender, learned) = (self.sender.clone(), self.learned.clone());
