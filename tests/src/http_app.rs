@@ -59,7 +59,8 @@ struct AppState {
 }
 
 /// The handler behind both routes: waits for "the bank", then answers by
-/// the `outcome` the request asks for (`ok`, `declined` → 402, `bank_down` → 500).
+/// the `outcome` the request asks for (`ok`, `declined` → 402, `bank_down` → 500),
+/// or with the `status` it asks for (`{"status":429}`), its body naming the call.
 async fn charge(route: &'static str, state: AppState, headers: HeaderMap, body: Bytes) -> Response {
     tokio::time::sleep(state.bank_delay).await;
     let user = headers
@@ -68,6 +69,17 @@ async fn charge(route: &'static str, state: AppState, headers: HeaderMap, body: 
         .unwrap_or("anonymous");
     let call = state.ledger.record(format!("{route} {user}"));
     let request: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    if let Some(status) = request["status"]
+        .as_u64()
+        .and_then(|code| u16::try_from(code).ok())
+        .and_then(|code| StatusCode::from_u16(code).ok())
+    {
+        return (
+            status,
+            format!(r#"{{"status":{},"call":{call}}}"#, status.as_u16()),
+        )
+            .into_response();
+    }
     match request["outcome"].as_str().unwrap_or("ok") {
         "declined" => {
             (StatusCode::PAYMENT_REQUIRED, r#"{"error":"card declined"}"#).into_response()

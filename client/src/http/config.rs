@@ -43,15 +43,29 @@ impl std::fmt::Debug for HttpConfig {
     }
 }
 
-/// 2xx and 4xx are answers worth replaying; a 5xx says "try again", so its key is released.
-fn store_2xx_and_4xx(status: StatusCode) -> bool {
-    status.is_success() || status.is_client_error()
+/// The default storage rule (see [`HttpConfig::store_when`]): 2xx and 4xx
+/// are answers worth replaying, except the 4xx that say "not now, try
+/// again" rather than "no": `408 Request Timeout`, `409 Conflict`,
+/// `425 Too Early` and `429 Too Many Requests`. Those, and a 5xx, release
+/// the key. Stored, a rate-limited request could never succeed under its key
+/// until the key expires (24 h by default); Stripe likewise saves no result
+/// for a request that did not start executing or was refused before it ran.
+fn store_by_default(status: StatusCode) -> bool {
+    let try_again = matches!(
+        status,
+        StatusCode::REQUEST_TIMEOUT
+            | StatusCode::CONFLICT
+            | StatusCode::TOO_EARLY
+            | StatusCode::TOO_MANY_REQUESTS
+    );
+    status.is_success() || (status.is_client_error() && !try_again)
 }
 
 impl HttpConfig {
     /// Defaults for a service named `namespace` (the calling service's
     /// namespace at the idempotency service): POST and PATCH, key optional,
-    /// no subject, 1 MiB bodies, 2xx/4xx stored, fail closed, 60 s lease
+    /// no subject, 1 MiB bodies, 2xx and 4xx stored but 408, 409, 425 and
+    /// 429 (see [`HttpConfig::store_when`]), fail closed, 60 s lease
     /// renewed every 20 s while the handler runs.
     pub fn new(namespace: impl Into<String>) -> Self {
         Self {
@@ -62,7 +76,7 @@ impl HttpConfig {
             excluded_pointers: Vec::new(),
             max_body_bytes: 1024 * 1024,
             max_stored_bytes: 1024 * 1024,
-            store: Arc::new(store_2xx_and_4xx),
+            store: Arc::new(store_by_default),
             replay_headers: vec![
                 header::CONTENT_TYPE,
                 header::CONTENT_ENCODING,
@@ -135,13 +149,42 @@ impl HttpConfig {
     }
 
     /// Which statuses are stored for replay; the others release the key so
-    /// the client may retry. Default: 2xx and 4xx.
+    /// the client may retry with it and the handler runs again.
+    ///
+    /// Default ([`HttpConfig::stores_by_default`]): 2xx, and 4xx except
+    /// `408`, `409`, `425` and `429`; those and 5xx release the key. A 2xx or
+    /// an ordinary 4xx (`400`, `402`, `404`, `422`, ...) is the request's
+    /// answer, so a retry must get it again and not repeat the effects. But
+    /// `408 Request Timeout`, `409 Conflict`, `425 Too Early` and
+    /// `429 Too Many Requests` say "not now": the request did not run or was
+    /// refused before it ran, so storing one would answer every retry under
+    /// the key with it until the key expires (24 h by default), and a
+    /// rate-limited request could never succeed. Stripe saves no result for
+    /// such requests either.
+    ///
+    /// A rule of your own replaces the default, e.g. to store a `409` your
+    /// handler answers for a final business conflict:
+    ///
+    /// ```
+    /// # use idempotency_client::http::HttpConfig;
+    /// use http::StatusCode;
+    ///
+    /// let config = HttpConfig::new("payments").store_when(|status| {
+    ///     status == StatusCode::CONFLICT || HttpConfig::stores_by_default(status)
+    /// });
+    /// ```
     pub fn store_when(
         mut self,
         store: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
     ) -> Self {
         self.store = Arc::new(store);
         self
+    }
+
+    /// The default rule of [`HttpConfig::store_when`], to build on: whether
+    /// a response with `status` is stored for replay.
+    pub fn stores_by_default(status: StatusCode) -> bool {
+        store_by_default(status)
     }
 
     /// The response headers stored and replayed (default: content-type,
@@ -179,6 +222,28 @@ impl HttpConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn by_default_answers_are_stored_and_try_again_statuses_release_the_key() {
+        let stored = [200, 201, 204, 400, 401, 402, 403, 404, 410, 413, 422, 451];
+        let released = [408, 409, 425, 429, 500, 502, 503, 504];
+        for code in stored {
+            let status = StatusCode::from_u16(code).unwrap();
+            assert!(HttpConfig::stores_by_default(status), "{code} is stored");
+        }
+        for code in released {
+            let status = StatusCode::from_u16(code).unwrap();
+            assert!(
+                !HttpConfig::stores_by_default(status),
+                "{code} releases the key"
+            );
+        }
+        let config = HttpConfig::new("payments");
+        assert!(
+            !(config.store)(StatusCode::TOO_MANY_REQUESTS),
+            "the default rule"
+        );
+    }
 
     #[test]
     fn json_pointers_are_checked_when_configured() {

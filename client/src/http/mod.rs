@@ -8,7 +8,7 @@
 //! | no `Idempotency-Key` | passed through, or `400` when [`HttpConfig::require_key`] |
 //! | malformed key, or a body that is not readable | `400` (`application/problem+json`) |
 //! | body over [`HttpConfig::max_body_bytes`] | `413` |
-//! | first request | the handler runs; its response is stored (by default 2xx and 4xx) or the key released (5xx) |
+//! | first request | the handler runs; its response is stored (by default 2xx and 4xx) or the key released (by default 5xx and 408, 409, 425, 429: see [`HttpConfig::store_when`]) |
 //! | duplicate while the first runs | `409` with `Retry-After` |
 //! | duplicate after it finished | the stored status, allow-listed headers and body, with `Idempotent-Replayed: true` |
 //! | same key, another body | `422` |

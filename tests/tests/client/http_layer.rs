@@ -3,10 +3,11 @@
 
 use std::time::Duration;
 
+use http::StatusCode;
 use idempotency_client::{OnUnavailable, RecordId, RecordState, http::HttpConfig};
 use idempotency_tests::{
     TestDb, TestServer,
-    http_app::{HttpClient, PaymentsApp},
+    http_app::{HttpAnswer, HttpClient, PaymentsApp},
     unique_key,
 };
 
@@ -390,4 +391,73 @@ async fn a_5xx_too_large_to_store_still_releases_the_key() {
         2,
         "the retry ran again"
     );
+}
+
+/// Sends `{"status":code}` twice under one key for `user`; the two answers.
+async fn twice(http: &HttpClient, user: &str, code: u16) -> (HttpAnswer, HttpAnswer) {
+    let key = unique_key(&format!("status-{code}"));
+    let body = format!(r#"{{"status":{code}}}"#);
+    let first = http.post("/payments", Some(&key), user, &body).await;
+    let retry = http.post("/payments", Some(&key), user, &body).await;
+    (first, retry)
+}
+
+#[tokio::test]
+async fn a_408_409_425_or_429_from_the_handler_releases_the_key_and_the_retry_runs_it_again() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let (app, http) = app(&server, HttpConfig::new("shop")).await;
+
+    for code in [408, 409, 425, 429] {
+        let user = format!("nina-{code}");
+        let (first, retry) = twice(&http, &user, code).await;
+
+        assert_eq!((first.status, retry.status), (code, code), "{retry:?}");
+        assert_eq!(
+            retry.header("idempotent-replayed"),
+            None,
+            "{code}: not stored"
+        );
+        assert_eq!(retry.body, format!(r#"{{"status":{code},"call":2}}"#));
+        assert_eq!(app.ledger.calls("/payments", &user), 2, "{code}: ran again");
+    }
+}
+
+#[tokio::test]
+async fn a_400_404_or_422_from_the_handler_is_stored_and_replayed() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let (app, http) = app(&server, HttpConfig::new("shop")).await;
+
+    for code in [400, 404, 422] {
+        let user = format!("omar-{code}");
+        let (first, retry) = twice(&http, &user, code).await;
+
+        assert_eq!((first.status, retry.status), (code, code), "{retry:?}");
+        assert_eq!(retry.header("idempotent-replayed"), Some("true"), "{code}");
+        assert_eq!(retry.body, first.body);
+        assert_eq!(app.ledger.calls("/payments", &user), 1, "{code}: ran once");
+    }
+}
+
+#[tokio::test]
+async fn a_storage_rule_of_ones_own_replaces_the_default() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    // Store 429 (released by default); release 404 (stored by default).
+    let config = HttpConfig::new("shop").store_when(|status| {
+        status == StatusCode::TOO_MANY_REQUESTS
+            || (status != StatusCode::NOT_FOUND && HttpConfig::stores_by_default(status))
+    });
+    let (app, http) = app(&server, config).await;
+
+    let (_, limited) = twice(&http, "pat", 429).await;
+    let (_, missing) = twice(&http, "quinn", 404).await;
+
+    assert_eq!(limited.status, 429);
+    assert_eq!(limited.header("idempotent-replayed"), Some("true"));
+    assert_eq!(app.ledger.calls("/payments", "pat"), 1);
+    assert_eq!(missing.status, 404);
+    assert_eq!(missing.header("idempotent-replayed"), None);
+    assert_eq!(app.ledger.calls("/payments", "quinn"), 2);
 }
