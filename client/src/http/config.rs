@@ -1,6 +1,8 @@
 use std::{sync::Arc, time::Duration};
 
-use http::{HeaderName, Method, StatusCode, header, request::Parts};
+use http::{HeaderName, HeaderValue, Method, StatusCode, header, request::Parts};
+
+use super::problem::Problems;
 
 use crate::OnUnavailable;
 
@@ -23,6 +25,7 @@ pub struct HttpConfig {
     pub(crate) ttl: Option<Duration>,
     pub(crate) lease: Duration,
     pub(crate) renew_every: Option<Duration>,
+    pub(crate) problems: Problems,
 }
 
 impl std::fmt::Debug for HttpConfig {
@@ -39,6 +42,7 @@ impl std::fmt::Debug for HttpConfig {
             .field("ttl", &self.ttl)
             .field("lease", &self.lease)
             .field("renew_every", &self.renew_every)
+            .field("problems", &self.problems)
             .finish_non_exhaustive()
     }
 }
@@ -90,6 +94,7 @@ impl HttpConfig {
             ttl: None,
             lease: Duration::from_secs(60),
             renew_every: Some(Duration::from_secs(20)),
+            problems: Problems::default(),
         }
     }
 
@@ -217,6 +222,32 @@ impl HttpConfig {
         self.renew_every = renew_every;
         self
     }
+
+    /// The start of the `type` URI of the layer's own problem responses
+    /// (`application/problem+json`); each problem's name is appended, e.g.
+    /// `https://docs.example.com/problems/` gives
+    /// `https://docs.example.com/problems/request-in-progress`. Default
+    /// `urn:idempotency:problem:`: a URN, stable, and no claim on a web
+    /// address nobody serves. Responses your handler makes are not touched.
+    pub fn problem_type_base(mut self, base: impl Into<String>) -> Self {
+        self.problems.type_base = base.into();
+        self
+    }
+
+    /// Adds `Link: <url>; rel="describedby"` to the layer's own problem
+    /// responses, pointing clients at your documentation of them (default: none).
+    ///
+    /// # Panics
+    ///
+    /// When `url` cannot be a header value (e.g. it holds a line break): a
+    /// configuration mistake, caught at start-up.
+    pub fn problem_docs(mut self, url: impl AsRef<str>) -> Self {
+        let link = format!("<{}>; rel=\"describedby\"", url.as_ref());
+        let link = HeaderValue::try_from(link)
+            .unwrap_or_else(|_| panic!("{:?} cannot be a Link header", url.as_ref()));
+        self.problems.described_by = Some(link);
+        self
+    }
 }
 
 #[cfg(test)]
@@ -258,5 +289,18 @@ mod tests {
             refused.is_err(),
             "a pointer without a leading '/' is refused"
         );
+    }
+
+    #[test]
+    fn a_documentation_link_that_cannot_be_a_header_is_refused_when_configured() {
+        let config = HttpConfig::new("payments").problem_docs("https://docs.example.com/x");
+        assert_eq!(
+            config.problems.described_by.unwrap(),
+            r#"<https://docs.example.com/x>; rel="describedby""#
+        );
+        let refused = std::panic::catch_unwind(|| {
+            HttpConfig::new("payments").problem_docs("https://docs.example.com/\n")
+        });
+        assert!(refused.is_err());
     }
 }

@@ -15,6 +15,11 @@
 //! | idempotency service unreachable | `503` (fail closed, default) or the handler unprotected (fail open) |
 //! | idempotency service refuses this service's credentials or namespace (UNAUTHENTICATED, PERMISSION_DENIED) | `500`, the handler not run, even failing open |
 //!
+//! The layer's own problem documents have a `type` URI per problem,
+//! `urn:idempotency:problem:<name>` unless [`HttpConfig::problem_type_base`]
+//! says otherwise, and with [`HttpConfig::problem_docs`] a
+//! `Link: <…>; rel="describedby"` header to their documentation.
+//!
 //! The scope of a key: namespace = [`HttpConfig::new`]'s service name,
 //! operation = method + route template (axum's `MatchedPath`, else the
 //! path), subject = [`HttpConfig::subject`] of the request (e.g. the

@@ -16,7 +16,6 @@ use super::{
     HttpConfig, IDEMPOTENT_REPLAYED,
     body::{self, BoxError, Captured, Prefixed, ResponseBody},
     key::{self, KeyHeader},
-    problem::{self, problem},
 };
 use crate::{
     AcquireRequest, Acquisition, Client, Error, Lease, OnUnavailable, RecordId, StoredResponse,
@@ -96,14 +95,14 @@ where
         KeyHeader::Present(key) => key,
         KeyHeader::Missing if !config.require_key => return pass_through(inner, request).await,
         KeyHeader::Missing => {
-            return Ok(problem(
+            return Ok(config.problems.problem(
                 StatusCode::BAD_REQUEST,
                 "missing-idempotency-key",
                 "this operation requires an Idempotency-Key header",
             ));
         }
         KeyHeader::Malformed(why) => {
-            return Ok(problem(
+            return Ok(config.problems.problem(
                 StatusCode::BAD_REQUEST,
                 "malformed-idempotency-key",
                 why,
@@ -121,13 +120,13 @@ where
     // handler runs once. (Dropped mid-Acquire instead, the key would stay in
     // progress until its lease passed.) A panic in the handler drops the
     // lease, which releases the key, and is passed on to the caller.
-    let task = tokio::spawn(acquire_and_execute(inner, client, config, acquire, request));
-    match task.await {
+    let work = acquire_and_execute(inner, client, config.clone(), acquire, request);
+    match tokio::spawn(work).await {
         Ok(result) => result,
         Err(join_error) if join_error.is_panic() => {
             std::panic::resume_unwind(join_error.into_panic())
         }
-        Err(_) => Ok(problem(
+        Err(_) => Ok(config.problems.problem(
             StatusCode::INTERNAL_SERVER_ERROR,
             "handler-cancelled",
             "the handler was cancelled",
@@ -149,14 +148,14 @@ where
     let bytes = match body::capture(request_body, config.max_body_bytes).await {
         Ok(Captured::Whole(bytes)) => bytes,
         Ok(Captured::TooLarge { .. }) => {
-            return Err(problem(
+            return Err(config.problems.problem(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "body-too-large",
                 &format!("the request body exceeds {} bytes", config.max_body_bytes),
             ));
         }
         Err(_) => {
-            return Err(problem(
+            return Err(config.problems.problem(
                 StatusCode::BAD_REQUEST,
                 "unreadable-body",
                 "the request body could not be read",
@@ -193,11 +192,11 @@ where
     let lease = match client.acquire(&acquire).await {
         Ok(Acquisition::Proceed(lease)) => lease,
         Ok(Acquisition::InProgress { retry_after, .. }) => {
-            return Ok(problem::in_progress(retry_after));
+            return Ok(config.problems.in_progress(retry_after));
         }
         Ok(Acquisition::Replay(stored) | Acquisition::Failed(stored)) => return Ok(replay(stored)),
         Ok(Acquisition::FingerprintMismatch) => {
-            return Ok(problem(
+            return Ok(config.problems.problem(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "idempotency-key-reused",
                 "this Idempotency-Key was already used with a different request",
@@ -206,20 +205,20 @@ where
         Err(error) if error.is_unavailable() => match config.on_unavailable {
             OnUnavailable::FailClosed => {
                 tracing::warn!(%error, "idempotency service unavailable: answering 503");
-                return Ok(problem::unavailable());
+                return Ok(config.problems.unavailable());
             }
             OnUnavailable::FailOpen => {
                 crate::run::note_fail_open(&acquire.id, &error);
                 return pass_through(inner, request).await;
             }
         },
-        Err(error) => return Ok(refused(&acquire.id, error)),
+        Err(error) => return Ok(refused(&acquire.id, error, &config)),
     };
     execute(inner, request, lease, config).await
 }
 
 /// The answer when the service refused Acquire (it was reachable).
-fn refused(id: &RecordId, error: Error) -> Response<ResponseBody> {
+fn refused(id: &RecordId, error: Error, config: &HttpConfig) -> Response<ResponseBody> {
     match error {
         // The service refused this service's credentials, or its use of the
         // namespace: a deployment's mistake, not an outage, so never run the
@@ -228,20 +227,20 @@ fn refused(id: &RecordId, error: Error) -> Response<ResponseBody> {
         error @ (Error::Unauthenticated { .. } | Error::PermissionDenied { .. }) => {
             tracing::error!(%error, namespace = %id.namespace,
                 "the idempotency service refused this service: answering 500");
-            problem::not_authorized()
+            config.problems.not_authorized()
         }
         // The scope comes from the request (e.g. a subject too long): the client's fault.
         Error::InvalidArgument {
             field: Some(field),
             message,
-        } if field.starts_with("id.") => problem(
+        } if field.starts_with("id.") => config.problems.problem(
             StatusCode::BAD_REQUEST,
             "invalid-idempotency-scope",
             &message,
         ),
         error => {
             tracing::error!(%error, "idempotency service refused Acquire");
-            problem(
+            config.problems.problem(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "idempotency-error",
                 "the idempotency service failed",
@@ -283,7 +282,7 @@ where
                 // A response that would not be stored anyway (a 5xx) releases the
                 // key whatever its size.
                 if (config.store)(parts.status) {
-                    store_unreplayable(&mut lease, config.max_stored_bytes).await;
+                    store_unreplayable(&mut lease, &config).await;
                 } else {
                     release(&mut lease).await;
                 }
@@ -294,7 +293,7 @@ where
                 let error: BoxError = error.into();
                 tracing::warn!(%error, "the handler's response body failed: released the key");
                 release(&mut lease).await;
-                problem(
+                config.problems.problem(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "handler-body-failed",
                     "the response could not be produced",
@@ -321,7 +320,7 @@ async fn store_or_release(
         headers: replayable_headers(&parts.headers, config),
     };
     if stored.size() > config.max_stored_bytes {
-        return store_unreplayable(lease, config.max_stored_bytes).await;
+        return store_unreplayable(lease, config).await;
     }
     match lease.complete(&stored).await {
         Ok(()) => {}
@@ -332,7 +331,7 @@ async fn store_or_release(
         // The service's own limit is lower than ours, or the
         // message is over its transport limit.
         Err(error) if error.is_refusal() => {
-            store_unreplayable(lease, config.max_stored_bytes).await;
+            store_unreplayable(lease, config).await;
         }
         // The lease stays until it passes: releasing would run the handler again.
         Err(error) => {
@@ -344,17 +343,26 @@ async fn store_or_release(
 /// The handler ran but its response is too large to store. Running it again
 /// on a retry could repeat its effects, so retries get a terminal error
 /// instead: the request was processed once, its answer cannot be replayed.
-async fn store_unreplayable(lease: &mut Lease, limit: usize) {
+async fn store_unreplayable(lease: &mut Lease, config: &HttpConfig) {
+    let limit = config.max_stored_bytes;
     tracing::warn!(key = %lease.id().key, limit, "response too large to store: retries get a 500");
-    let body = problem::document(
+    let body = config.problems.document(
         StatusCode::INTERNAL_SERVER_ERROR,
         "response-not-replayable",
         &format!(
             "the request was processed, but its response exceeded {limit} bytes and cannot be replayed"
         ),
     );
-    let error =
+    let mut error =
         StoredResponse::new(500, body).with_header("content-type", "application/problem+json");
+    if let Some(link) = config
+        .problems
+        .described_by
+        .as_ref()
+        .and_then(|l| l.to_str().ok())
+    {
+        error = error.with_header("link", link);
+    }
     if let Err(error) = lease.fail(&error).await {
         tracing::warn!(%error, key = %lease.id().key, "could not store the failure");
     }

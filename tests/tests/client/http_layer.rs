@@ -461,3 +461,47 @@ async fn a_storage_rule_of_ones_own_replaces_the_default() {
     assert_eq!(missing.header("idempotent-replayed"), None);
     assert_eq!(app.ledger.calls("/payments", "quinn"), 2);
 }
+
+#[tokio::test]
+async fn problem_types_and_their_documentation_link_are_configurable() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let (_default_app, default) = app(&server, HttpConfig::new("shop")).await;
+    let config = HttpConfig::new("shop")
+        .max_stored_bytes(1024)
+        .problem_type_base("https://docs.example.com/problems/")
+        .problem_docs("https://docs.example.com/idempotency");
+    let (_app, http) = app(&server, config).await;
+    let key = unique_key("documented");
+    let huge = r#"{"outcome":"huge"}"#;
+
+    let plain = default.post("/payments", Some("short"), "rita", "{}").await;
+    let malformed = http.post("/payments", Some("short"), "rita", "{}").await;
+    http.post("/payments", Some(&key), "rita", huge).await;
+    let unreplayable = http.post("/payments", Some(&key), "rita", huge).await;
+
+    assert!(
+        plain
+            .body
+            .contains(r#""type":"urn:idempotency:problem:malformed-idempotency-key""#),
+        "{plain:?}"
+    );
+    assert_eq!(plain.header("link"), None);
+    let link = Some(r#"<https://docs.example.com/idempotency>; rel="describedby""#);
+    assert_eq!(malformed.status, 400);
+    assert!(
+        malformed
+            .body
+            .contains(r#""type":"https://docs.example.com/problems/malformed-idempotency-key""#),
+        "{malformed:?}"
+    );
+    assert_eq!(malformed.header("link"), link);
+    assert_eq!(unreplayable.status, 500, "{unreplayable:?}");
+    assert!(
+        unreplayable
+            .body
+            .contains(r#""type":"https://docs.example.com/problems/response-not-replayable""#),
+        "{unreplayable:?}"
+    );
+    assert_eq!(unreplayable.header("link"), link, "stored with the problem");
+}
