@@ -184,7 +184,7 @@ pub struct Settings {
     /// that cached the record only after this long.
     #[arg(long, env = "IDEMPOTENCY_REPLAY_CACHE_MAX_AGE", default_value = "10s", value_parser = humantime::parse_duration)]
     pub replay_cache_max_age: Duration,
-    /// Distinct `namespace` label values in /metrics; later namespaces are counted as `other`.
+    /// Distinct `namespace` label values in /metrics; later namespaces are counted as `_other`.
     #[arg(
         long,
         env = "IDEMPOTENCY_METRICS_MAX_NAMESPACES",

@@ -123,6 +123,7 @@ impl Application {
         // nowhere. Each of them takes the recorder as proof that it comes
         // after, so this order is enforced by construction.
         let recorder = MetricsRecorder::install();
+        crate::metrics::register_at_zero(&recorder);
         let pool = serving_pool(&settings.database, settings.migrate).await?;
         check(&settings, &pool)?;
         let security = Security::load(&settings.security.config(), &recorder)?;

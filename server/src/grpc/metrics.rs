@@ -9,8 +9,8 @@ use tonic::Code;
 use crate::{
     domain::AcquireOutcome,
     metrics::{
-        BATCH_ITEMS, FINGERPRINT_MISMATCHES_TOTAL, LEASE_TAKEOVERS_TOTAL, NamespaceLabels,
-        REPLAYS_TOTAL, REQUEST_DURATION_SECONDS, REQUESTS_TOTAL, UNKNOWN_NAMESPACE,
+        BATCH_ITEMS, FINGERPRINT_MISMATCHES_TOTAL, INVALID_NAMESPACE, LEASE_TAKEOVERS_TOTAL,
+        NamespaceLabels, REPLAYS_TOTAL, REQUEST_DURATION_SECONDS, REQUESTS_TOTAL,
     },
 };
 
@@ -30,7 +30,7 @@ impl<'a> CallMetrics<'a> {
             started: Instant::now(),
             outcome: "cancelled",
             labels,
-            namespace: SharedString::const_str(UNKNOWN_NAMESPACE),
+            namespace: SharedString::const_str(INVALID_NAMESPACE),
         }
     }
 

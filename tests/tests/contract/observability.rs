@@ -37,6 +37,52 @@ async fn metrics_count_calls_by_rpc_and_outcome_with_help_text() {
 }
 
 #[tokio::test]
+async fn a_fresh_server_shows_its_fixed_counters_at_zero() {
+    // Each test runs in its own process (nextest), so the recorder is fresh.
+    let app = spawn_app().await;
+
+    let page = http_get(app.server.metrics_addr, "/metrics").await;
+
+    let value = |series: &str| idempotency_tests::metric_value(&page, series);
+    for series in [
+        r#"idempotency_request_timeouts_total{rpc="Acquire"}"#,
+        r#"idempotency_request_timeouts_total{rpc="BatchComplete"}"#,
+        r#"idempotency_admission_refused_total{reason="overloaded"}"#,
+        r#"idempotency_admission_refused_total{reason="too_many_headers"}"#,
+        r#"idempotency_grpc_connections_closed_total{reason="refused"}"#,
+        "idempotency_grpc_calls_refused_total",
+        r#"idempotency_db_calls_alone_total{query="acquire"}"#,
+        "idempotency_db_connections_abandoned_total",
+        r#"idempotency_database_probes_total{result="timeout"}"#,
+        r#"idempotency_reaper_runs_total{result="error"}"#,
+        r#"idempotency_auth_denied_total{reason="namespace_forbidden"}"#,
+    ] {
+        assert_eq!(value(series), Some(0.0), "{series} in\n{page}");
+    }
+}
+
+#[tokio::test]
+async fn an_invalid_request_is_counted_under_a_label_no_namespace_can_take() {
+    let mut app = spawn_app().await;
+    let invalid = idempotency_client::pb::RecordId {
+        namespace: "Not A Namespace".into(),
+        ..record_id(&unique_key("invalid"))
+    };
+    try_acquire(&mut app.client, &invalid, b"fp")
+        .await
+        .expect_err("an invalid namespace is refused");
+
+    let page = wait_for_metric(
+        &app.server,
+        r#"idempotency_requests_total{rpc="Acquire",outcome="invalid_argument",namespace="_invalid"}"#,
+        |v| v == 1.0,
+    )
+    .await;
+
+    assert!(!page.contains(r#"namespace="unknown""#), "{page}");
+}
+
+#[tokio::test]
 async fn health_is_serving_for_the_server_and_the_api_while_the_database_answers() {
     let app = spawn_app().await;
     let mut health = HealthClient::new(TestServer::channel_to(app.server.addr).await);
@@ -152,13 +198,13 @@ async fn takeovers_replays_and_mismatches_are_counted_by_namespace_with_a_cap() 
         value(r#"idempotency_fingerprint_mismatches_total{namespace="payments"}"#),
         Some(1.0)
     );
-    // Two namespaces named (payments, second), the rest counted as other.
+    // Two namespaces named (payments, second), the rest counted as _other.
     assert_eq!(
         value(r#"idempotency_requests_total{rpc="Acquire",outcome="acquired",namespace="second"}"#),
         Some(1.0)
     );
     assert_eq!(
-        value(r#"idempotency_requests_total{rpc="Acquire",outcome="acquired",namespace="other"}"#),
+        value(r#"idempotency_requests_total{rpc="Acquire",outcome="acquired",namespace="_other"}"#),
         Some(2.0)
     );
     assert!(!page.contains(r#"namespace="third""#), "{page}");
