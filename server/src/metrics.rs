@@ -314,7 +314,7 @@ pub fn register_at_zero(_installed: &MetricsRecorder) {
 }
 
 /// The service's RPCs, as the `rpc` label names them.
-const RPCS: [&str; 7] = [
+pub(crate) const RPCS: [&str; 7] = [
     "Acquire",
     "Complete",
     "Fail",

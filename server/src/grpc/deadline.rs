@@ -18,6 +18,7 @@ use tonic::{Code, body::Body};
 
 use super::status::{reason, with_reason};
 use crate::metrics;
+use crate::metrics::RPCS;
 
 const SERVICE_PREFIX: &str = "/idempotency.v1.IdempotencyService/";
 
@@ -92,15 +93,6 @@ where
 /// The service's RPC a path names, as a metric label: a static name, so
 /// that no call pays an allocation for a label only a timeout uses.
 fn rpc_of(path: &str) -> Option<&'static str> {
-    const RPCS: [&str; 7] = [
-        "Acquire",
-        "Complete",
-        "Fail",
-        "Renew",
-        "Get",
-        "BatchAcquire",
-        "BatchComplete",
-    ];
     let method = path.strip_prefix(SERVICE_PREFIX)?;
     Some(
         RPCS.into_iter()
