@@ -3,10 +3,15 @@
 //! unreachable, out of connection slots), SERVING within 1 × the interval
 //! of it answering again, and no NOT_SERVING after that.
 //!
-//! Each server probes every 300 ms; the status is polled every 20 ms. The
+//! Each server probes every second; the status is polled every 20 ms. The
 //! bounds add [`SLACK`] to the promise for the polling and a loaded machine:
 //! the design's worst case is 1.5 × and 1 × the interval, so the promise
 //! itself is what is checked, not the design's margin.
+//!
+//! The interval is a second, not less, because a round that gets no answer
+//! within half an interval counts as down: on CI's two cores, busy with
+//! every other test, a new connection and one lookup once took longer than
+//! the 150 ms a 300 ms interval allows, and a healthy database read as down.
 
 use std::time::Duration;
 
@@ -19,11 +24,11 @@ use tonic_health::pb::{health_check_response::ServingStatus, health_client::Heal
 
 use crate::outage::{health_status, wait_for_health};
 
-const INTERVAL: Duration = Duration::from_millis(300);
+const INTERVAL: Duration = Duration::from_secs(1);
 /// How long a probe round may take: half of [`INTERVAL`].
-const PROBE_TIMEOUT: Duration = Duration::from_millis(150);
+const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 /// Polling, and the scheduling of a loaded machine.
-const SLACK: Duration = Duration::from_millis(200);
+const SLACK: Duration = Duration::from_millis(300);
 const POLL: Duration = Duration::from_millis(20);
 /// The promise (2 × and 1 × the interval), plus [`SLACK`].
 const DOWN_WITHIN: Duration = INTERVAL.saturating_mul(2).saturating_add(SLACK);
@@ -114,7 +119,7 @@ async fn a_frozen_database_turns_health_not_serving_within_two_intervals_and_ser
 
     let up = time_until(&mut health, ServingStatus::Serving, thawed).await;
     assert_within(up, UP_WITHIN, "SERVING");
-    assert_stays(&mut health, ServingStatus::Serving, 10 * INTERVAL).await;
+    assert_stays(&mut health, ServingStatus::Serving, 5 * INTERVAL).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -144,7 +149,7 @@ async fn an_exclusive_table_lock_turns_health_not_serving_within_two_intervals_a
 
     let up = time_until(&mut health, ServingStatus::Serving, unlocked).await;
     assert_within(up, UP_WITHIN, "SERVING");
-    assert_stays(&mut health, ServingStatus::Serving, 10 * INTERVAL).await;
+    assert_stays(&mut health, ServingStatus::Serving, 5 * INTERVAL).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -165,7 +170,7 @@ async fn an_unreachable_database_turns_health_not_serving_and_once_back_serving_
 
     let up = time_until(&mut health, ServingStatus::Serving, restored).await;
     assert_within(up, UP_WITHIN, "SERVING");
-    assert_stays(&mut health, ServingStatus::Serving, 10 * INTERVAL).await;
+    assert_stays(&mut health, ServingStatus::Serving, 5 * INTERVAL).await;
 }
 
 /// As after a crash and a quick restart: the server's connections died while
@@ -184,7 +189,7 @@ async fn after_an_outage_shorter_than_an_interval_health_does_not_turn_not_servi
     let restored = Instant::now();
 
     let late = restored + PROBE_TIMEOUT + SLACK;
-    while restored.elapsed() < 10 * INTERVAL {
+    while restored.elapsed() < 5 * INTERVAL {
         let status = health_status(&mut health, "").await;
         if Instant::now() > late {
             assert_eq!(

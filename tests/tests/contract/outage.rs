@@ -103,6 +103,8 @@ async fn an_exhausted_pool_answers_unavailable_instead_of_hanging() {
     let app = spawn_app_with(|settings| {
         settings.database.db_max_connections = 1;
         settings.database.db_acquire_timeout = Duration::from_millis(300);
+        // Probes get 500 ms to answer: a loaded CI machine is not an outage.
+        settings.health_check_interval = Duration::from_secs(1);
         // Without batching: its workers each keep a connection, which a pool
         // of one cannot spare (the server refuses to start so configured).
         settings.batching = false;
@@ -124,7 +126,7 @@ async fn an_exhausted_pool_answers_unavailable_instead_of_hanging() {
 
     assert_error(other, Code::Unavailable, "DATABASE_UNAVAILABLE");
     // A busy pool is not a database outage: the replica stays in rotation
-    // (the health probe, every 200 ms, has a connection of its own).
+    // (the health probe, every second, has a connection of its own).
     let mut health = HealthClient::new(TestServer::channel_to(app.server.addr).await);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(health_status(&mut health, "").await, ServingStatus::Serving);
