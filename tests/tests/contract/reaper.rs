@@ -117,6 +117,18 @@ async fn two_reapers_at_once_never_both_work_and_metrics_say_so() {
     );
 }
 
+/// Advisory locks held in this test's database.
+async fn advisory_locks(db: &TestDb) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks
+         WHERE locktype = 'advisory'
+           AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+}
+
 #[tokio::test]
 async fn a_cut_short_run_releases_its_lock() {
     let db = TestDb::new().await;
@@ -134,7 +146,17 @@ async fn a_cut_short_run_releases_its_lock() {
     .await;
     assert!(abandoned.is_err());
 
-    // Its session ended with it, so the lock is free for the next run.
+    // Its session ended with it, so the lock is free for the next run. The
+    // backend releases it as it exits, just after the socket closes: a run
+    // started in that instant may still see it held, so wait (bounded) for
+    // the lock to go, as the next scheduled run, an interval later, would.
+    let released = tokio::time::timeout(Duration::from_secs(10), async {
+        while advisory_locks(&db).await > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(released.is_ok(), "the abandoned run still holds the lock");
     let next = reaper::reap_once(&db.pool, &limits(1000)).await.unwrap();
     assert!(matches!(next, ReapReport::Reaped { .. }), "{next:?}");
     assert_eq!(count(&db, "expired").await, 0);
