@@ -1,6 +1,12 @@
 //! The HTTP `Idempotency-Key` contract as a tower layer (feature `http`),
 //! for axum, hyper, or any `http::Request` / `http::Response` service.
 //!
+//! The layer takes requests with any body (`http_body::Body` of `Bytes`:
+//! hyper's `Incoming`, axum's `Body`) and hands your service
+//! `Request<`[`RequestBody`]`>`: the bytes it buffered for the fingerprint,
+//! or the original body when it did not read it. axum's routers accept it
+//! as they are; a plain hyper service is written for it (below).
+//!
 //! For the routes it wraps and the methods it covers (POST and PATCH by default):
 //!
 //! | Request | Answer |
@@ -49,6 +55,34 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! On plain hyper, through hyper-util's `TowerToHyperService`:
+//!
+//! ```no_run
+//! use std::convert::Infallible;
+//! use http::{Request, Response};
+//! use http_body_util::{BodyExt, Full};
+//! use hyper::body::Bytes;
+//! use hyper_util::{rt::TokioIo, service::TowerToHyperService};
+//! use idempotency_client::{Client, http::{HttpConfig, IdempotencyLayer, RequestBody}};
+//! use tower::{Layer, service_fn};
+//!
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! let client = Client::builder().endpoint("http://idempotency:50051").connect_lazy()?;
+//! let charge = service_fn(|request: Request<RequestBody>| async move {
+//!     let body = request.into_body().collect().await?.to_bytes();
+//!     Ok::<_, idempotency_client::http::BoxError>(Response::new(Full::new(body)))
+//! });
+//! let service = IdempotencyLayer::new(client, HttpConfig::new("payments")).layer(charge);
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//! loop {
+//!     let (stream, _) = listener.accept().await?;
+//!     let service = TowerToHyperService::new(service.clone());
+//!     tokio::spawn(hyper::server::conn::http1::Builder::new()
+//!         .serve_connection(TokioIo::new(stream), service));
+//! }
+//! # }
+//! ```
 
 mod body;
 mod config;
@@ -57,7 +91,7 @@ mod layer;
 mod problem;
 mod service;
 
-pub use body::{BoxError, ResponseBody};
+pub use body::{BoxError, RequestBody, ResponseBody};
 pub use config::HttpConfig;
 pub use layer::IdempotencyLayer;
 pub use service::Idempotency;

@@ -14,7 +14,7 @@ use tower::Service;
 
 use super::{
     HttpConfig, IDEMPOTENT_REPLAYED,
-    body::{self, BoxError, Captured, Prefixed, ResponseBody},
+    body::{self, BoxError, Captured, Prefixed, RequestBody, ResponseBody},
     key::{self, KeyHeader},
 };
 use crate::{
@@ -44,11 +44,11 @@ type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S: Service<Request<RequestBody>, Response = Response<ResBody>> + Clone + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
-    ReqBody: Body<Data = Bytes> + From<Bytes> + Send + 'static,
-    ReqBody::Error: Send,
+    ReqBody: Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError> + Send,
 {
@@ -80,20 +80,22 @@ async fn handle<S, ReqBody, ResBody>(
     request: Request<ReqBody>,
 ) -> Result<Response<ResponseBody>, S::Error>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    S: Service<Request<RequestBody>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
-    ReqBody: Body<Data = Bytes> + From<Bytes> + Send + 'static,
-    ReqBody::Error: Send,
+    ReqBody: Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError> + Send,
 {
     if !config.methods.contains(request.method()) {
-        return pass_through(inner, request).await;
+        return pass_through(inner, request.map(RequestBody::boxed)).await;
     }
     let key = match key::read(request.headers()) {
         KeyHeader::Present(key) => key,
-        KeyHeader::Missing if !config.require_key => return pass_through(inner, request).await,
+        KeyHeader::Missing if !config.require_key => {
+            return pass_through(inner, request.map(RequestBody::boxed)).await;
+        }
         KeyHeader::Missing => {
             return Ok(config.problems.problem(
                 StatusCode::BAD_REQUEST,
@@ -140,9 +142,9 @@ async fn read_request<ReqBody>(
     request: Request<ReqBody>,
     key: String,
     config: &HttpConfig,
-) -> Result<(AcquireRequest, Request<ReqBody>), Response<ResponseBody>>
+) -> Result<(AcquireRequest, Request<RequestBody>), Response<ResponseBody>>
 where
-    ReqBody: Body<Data = Bytes> + From<Bytes>,
+    ReqBody: Body<Data = Bytes>,
 {
     let (parts, request_body) = request.into_parts();
     let bytes = match body::capture(request_body, config.max_body_bytes).await {
@@ -173,19 +175,22 @@ where
         ttl: config.ttl,
         lease: Some(config.lease),
     };
-    Ok((acquire, Request::from_parts(parts, ReqBody::from(bytes))))
+    Ok((
+        acquire,
+        Request::from_parts(parts, RequestBody::buffered(bytes)),
+    ))
 }
 
 /// Acquires the key and answers: the handler's response, a replay, or a problem.
-async fn acquire_and_execute<S, ReqBody, ResBody>(
+async fn acquire_and_execute<S, ResBody>(
     inner: S,
     client: Client,
     config: Arc<HttpConfig>,
     acquire: AcquireRequest,
-    request: Request<ReqBody>,
+    request: Request<RequestBody>,
 ) -> Result<Response<ResponseBody>, S::Error>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    S: Service<Request<RequestBody>, Response = Response<ResBody>>,
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError> + Send,
 {
@@ -250,14 +255,14 @@ fn refused(id: &RecordId, error: Error, config: &HttpConfig) -> Response<Respons
 }
 
 /// Runs the handler holding `lease`, then stores its response or releases the key.
-async fn execute<S, ReqBody, ResBody>(
+async fn execute<S, ResBody>(
     mut inner: S,
-    request: Request<ReqBody>,
+    request: Request<RequestBody>,
     mut lease: Lease,
     config: Arc<HttpConfig>,
 ) -> Result<Response<ResponseBody>, S::Error>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    S: Service<Request<RequestBody>, Response = Response<ResBody>>,
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError> + Send,
 {
@@ -374,12 +379,12 @@ async fn release(lease: &mut Lease) {
     }
 }
 
-async fn pass_through<S, ReqBody, ResBody>(
+async fn pass_through<S, ResBody>(
     mut inner: S,
-    request: Request<ReqBody>,
+    request: Request<RequestBody>,
 ) -> Result<Response<ResponseBody>, S::Error>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    S: Service<Request<RequestBody>, Response = Response<ResBody>>,
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
@@ -550,7 +555,7 @@ mod tests {
         let ran = Arc::new(AtomicUsize::new(0));
         let handler = tower::service_fn({
             let ran = ran.clone();
-            move |_: Request<axum::body::Body>| {
+            move |_: Request<RequestBody>| {
                 ran.fetch_add(1, Ordering::Relaxed);
                 async {
                     Ok::<_, std::convert::Infallible>(Response::new(axum::body::Body::from("ran")))

@@ -4,6 +4,7 @@
 mod batching;
 mod connection;
 mod http_layer;
+mod hyper_layer;
 mod run;
 mod support;
 mod typed;
