@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-scripts/lint-proto.sh
+scripts/check-proto.sh
 # Also installs the tools the tests use (promtool).
 scripts/check-deploy.sh
 cargo fmt --all -- --check
