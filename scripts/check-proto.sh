@@ -36,9 +36,14 @@ buf lint
 echo "buf lint: proto/ is clean"
 
 # 2. No breaking change since the last release.
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
 release=$(git describe --tags --abbrev=0 --match 'v[0-9]*' 2>/dev/null || true)
 if [ -n "$release" ]; then
-  against=".git#tag=$release"
+  # The tag's contract, as files: plain git, so worktrees and any clone work.
+  mkdir "$scratch/released"
+  git archive "$release" buf.yaml proto | tar -x -C "$scratch/released"
+  against="$scratch/released"
 else
   image=$(ls proto/releases/v*.binpb 2>/dev/null | sort -V | tail -n 1)
   [ -n "$image" ] || { say "no release tag and no image in proto/releases/"; exit 1; }
@@ -48,12 +53,16 @@ else
 fi
 [ -f "proto/releases/$release.binpb" ] ||
   { say "proto/releases/$release.binpb is missing: buf build '.git#tag=$release' -o proto/releases/$release.binpb"; exit 1; }
+# The image stands in for the tag where a checkout has no tags: it must be the tag's.
+if [ "$against" != "proto/releases/$release.binpb" ]; then
+  buf build "$against" -o "$scratch/tag.binpb"
+  buf breaking "proto/releases/$release.binpb" --against "$scratch/tag.binpb" >/dev/null
+  buf breaking "$scratch/tag.binpb" --against "proto/releases/$release.binpb" >/dev/null
+fi
 buf breaking --against "$against"
 echo "buf breaking: no breaking change since $release"
 
 # A field renumbered in a copy of the contract must be refused.
-scratch=$(mktemp -d)
-trap 'rm -rf "$scratch"' EXIT
 cp -r proto "$scratch/proto"
 cp buf.yaml "$scratch/"
 sed -i '0,/  string key = [0-9]*;/s//  string key = 99;/' "$scratch/proto/idempotency/v1/idempotency.proto"
