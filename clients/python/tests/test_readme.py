@@ -1,0 +1,25 @@
+"""The README's Python blocks run as written, in order, against the real
+server (its address substituted for ``idempotency:50051``)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from conftest import Server
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_the_readme_examples_run(server: Server, capsys) -> None:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.DOTALL)
+    assert len(blocks) >= 5
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block.replace("idempotency:50051", server.target), str(README), "exec"), namespace)
+    out = capsys.readouterr().out
+
+    assert "answer 201 b'pay_1' \n" in out
+    assert '{"a":9007199254740993,"b":[1e+21,0.1]}' in out
+    assert "id.key INVALID_ARGUMENT" in out
+    assert "RecordState.COMPLETED" in out
