@@ -23,3 +23,18 @@ def test_the_readme_examples_run(server: Server, capsys) -> None:
     assert '{"a":9007199254740993,"b":[1e+21,0.1]}' in out
     assert "id.key INVALID_ARGUMENT" in out
     assert "RecordState.COMPLETED" in out
+
+
+def test_the_main_readmes_python_section_runs(server: Server, capsys) -> None:
+    main = README.parents[2] / "README.md"
+    blocks = [block for block in re.findall(r"```python\n(.*?)```", main.read_text(encoding="utf-8"), re.DOTALL)
+              if "idempotency_client" in block]
+    if not blocks:
+        import pytest
+
+        pytest.skip("the repository's README has no Python example")
+    for block in blocks:
+        exec(compile(block.replace("idempotency:50051", server.target), str(main), "exec"), {})
+
+    # The quickstart's key may already be stored by the other README's run.
+    assert re.search(r"Outcome\.(EXECUTED|REPLAYED) 201", capsys.readouterr().out)
