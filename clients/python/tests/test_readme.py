@@ -13,11 +13,18 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 def test_the_readme_examples_run(server: Server, capsys) -> None:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.DOTALL)
-    assert len(blocks) >= 5
+    assert len(blocks) >= 6
     namespace: dict = {}
     for block in blocks:
         exec(compile(block.replace("idempotency:50051", server.target), str(README), "exec"), namespace)
     out = capsys.readouterr().out
+    # The ASGI example answers a request, then replays it.
+    from test_asgi import call
+
+    first = call(namespace["app"], key="readme-asgi-key-1", headers=((b"x-user-id", b"u1"),))
+    again = call(namespace["app"], key="readme-asgi-key-1", headers=((b"x-user-id", b"u1"),))
+    assert first[0] == again[0] == 201 and again[1]["idempotent-replayed"] == "true"
+    assert call(namespace["app"], key=None)[0] == 400
 
     assert "answer 201 b'pay_1' \n" in out
     assert '{"a":9007199254740993,"b":[1e+21,0.1]}' in out
