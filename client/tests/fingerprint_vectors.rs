@@ -55,7 +55,8 @@ fn every_vector_canonicalizes_and_hashes_as_recorded() {
         let canonical = fingerprint::canonical_json(&value, &exclude)
             .unwrap_or_else(|error| panic!("{name}: {error}"));
         let digest = hex(&digest.unwrap_or_else(|error| panic!("{name}: {error}")));
-        let (Some(expected), Some(_)) = (case["canonical"].as_str(), case["sha256"].as_str()) else {
+        let (Some(expected), Some(_)) = (case["canonical"].as_str(), case["sha256"].as_str())
+        else {
             panic!("{name}: a new case; add \"canonical\": {canonical:?}, \"sha256\": {digest:?}")
         };
         assert_eq!(canonical, expected, "{name}: canonical form");

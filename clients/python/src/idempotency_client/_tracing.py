@@ -7,16 +7,17 @@ call can be found by its trace id."""
 from __future__ import annotations
 
 import secrets
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 Metadata = List[Tuple[str, str]]
 
 try:  # optional: the OpenTelemetry API
     from opentelemetry import propagate as _propagate
     from opentelemetry import trace as _trace
+
+    _OPENTELEMETRY = True
 except ImportError:  # pragma: no cover - depends on the environment
-    _propagate = None
-    _trace = None
+    _OPENTELEMETRY = False
 
 
 class CallTrace:
@@ -24,10 +25,10 @@ class CallTrace:
 
     def __init__(self) -> None:
         self.injected: Metadata = []
-        if _trace is not None and _propagate is not None:
+        if _OPENTELEMETRY:
             context = _trace.get_current_span().get_span_context()
             if context.is_valid:
-                carrier: dict = {}
+                carrier: Dict[str, str] = {}
                 _propagate.inject(carrier)
                 self.injected = [(key.lower(), value) for key, value in carrier.items()]
                 if any(key == "traceparent" for key, _ in self.injected):

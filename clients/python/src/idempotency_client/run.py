@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union, cast
 
 from . import errors
 from .errors import (
@@ -228,14 +228,13 @@ def _renewal_cannot_succeed(error: ServiceError) -> bool:
 class RunMixin:
     """:meth:`run` and :meth:`acquire_waiting`, mixed into :class:`Client`."""
 
-    def acquire_waiting(
-        self: "Client", request: AcquireRequest, wait: Optional[Seconds] = None
-    ) -> Acquisition:
+    def acquire_waiting(self, request: AcquireRequest, wait: Optional[Seconds] = None) -> Acquisition:
         """Acquires; while another attempt is in progress and ``wait`` (seconds)
         allows, sleeps for its ``retry_after`` (with jitter) and asks again."""
+        client = cast("Client", self)
         deadline = None if wait is None else time.monotonic() + seconds(wait)
         while True:
-            acquisition = self.acquire(request)
+            acquisition = client.acquire(request)
             if not isinstance(acquisition, InProgress):
                 return acquisition
             # Jitter of +-20 % keeps waiting duplicates from arriving together.
@@ -245,7 +244,7 @@ class RunMixin:
             time.sleep(pause)
 
     def run(
-        self: "Client",
+        self,
         request: AcquireRequest,
         fn: Callable[[Attempt], StoredResponse],
         options: Optional[RunOptions] = None,
@@ -265,6 +264,7 @@ class RunMixin:
         :class:`RunNotStored`, or the :class:`ServiceError` of a service that
         refused or could not be reached (fail closed).
         """
+        client = cast("Client", self)
         options = options or RunOptions()
         try:
             acquisition = self.acquire_waiting(request, options.wait_in_progress)
@@ -280,7 +280,7 @@ class RunMixin:
         acquired = _acquired_or_answer(acquisition)
         if isinstance(acquired, Ran):
             return acquired
-        lease = Lease(self, acquired)
+        lease = Lease(client, acquired)
         if options.keep_alive is not None:
             lease.keep_alive(options.keep_alive, options.keep_alive_every)
         attempt = Attempt(fencing_token=lease.fencing_token, lease_lost=lease.lost)
@@ -288,18 +288,18 @@ class RunMixin:
             response = fn(attempt)
         except Exception as business:
             lease.stop()
-            _store_failure(self, lease, options, business)
+            _store_failure(client, lease, options, business)
             raise
         except BaseException:
             lease.stop()
-            _release(self, lease, "an interrupted attempt")
+            _release(client, lease, "an interrupted attempt")
             raise
         lease.stop()
         if not isinstance(response, StoredResponse):
             error = TypeError(f"run()'s function must return a StoredResponse, not {type(response).__name__}")
-            _fail_unstorable(self, lease, error)
+            _fail_unstorable(client, lease, error)
             raise error
-        return _store_response(self, lease, response)
+        return _store_response(client, lease, response)
 
 
 def _checked(response: object) -> StoredResponse:
