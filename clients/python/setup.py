@@ -2,6 +2,12 @@
 ``proto/`` into ``idempotency_client/_pb`` while the package is built, so that
 the stubs always match the proto and are never committed.
 
+``google/rpc/status.proto`` is read to compile the service's proto but its
+module is not generated: ``google.rpc.status_pb2`` comes from
+googleapis-common-protos, which many packages (grpcio-status, OpenTelemetry's
+OTLP exporter, Google's clients) install. Two modules registering the same
+proto file would make the second import fail ("duplicate file name").
+
 The proto files are looked up in ``$IDEMPOTENCY_PROTO_DIR``, then beside this
 file (``proto/``, where an sdist carries them), then at the repository's root
 (``../../proto``, for ``pip install ./clients/python``).
@@ -21,9 +27,10 @@ from setuptools.command.sdist import sdist
 
 HERE = Path(__file__).resolve().parent
 PROTOS = ["idempotency/v1/idempotency.proto", "google/rpc/status.proto"]
+GENERATED = ["idempotency/v1/idempotency.proto"]
 # The generated modules import each other by their proto package; inside
 # this package they live under idempotency_client._pb.
-IMPORTS = re.compile(r"^(from|import) (idempotency\.v1|google\.rpc)\b", re.MULTILINE)
+IMPORTS = re.compile(r"^(from|import) (idempotency\.v1)\b", re.MULTILINE)
 
 
 def proto_dir() -> Path:
@@ -43,7 +50,8 @@ def generate(out: Path) -> None:
 
     source = proto_dir()
     well_known = Path(grpc_tools.__file__).resolve().parent / "_proto"
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # nothing stale from an earlier build
+    out.mkdir(parents=True)
     args = [
         "grpc_tools.protoc",
         f"-I{source}",
@@ -51,7 +59,7 @@ def generate(out: Path) -> None:
         f"--python_out={out}",
         f"--pyi_out={out}",
         f"--grpc_python_out={out}",
-        *PROTOS,
+        *GENERATED,
     ]
     if protoc.main(args) != 0:
         raise SystemExit(f"idempotency-client: protoc failed on {source}")
@@ -63,8 +71,8 @@ def generate(out: Path) -> None:
 
 
 def requirements() -> list:
-    """grpcio and protobuf no older than the generated code asks for: the
-    stubs refuse to load on an older runtime."""
+    """grpcio and protobuf no older than the generated code asks for (the
+    stubs refuse to load on an older runtime), and google.rpc's modules."""
     with tempfile.TemporaryDirectory() as tmp:
         generate(Path(tmp))
         stubs = "".join(path.read_text(encoding="utf-8") for path in Path(tmp).rglob("*.py"))
@@ -72,7 +80,7 @@ def requirements() -> list:
     protobuf_version = re.search(r"ValidateProtobufRuntimeVersion\(\s*[\w.]+,\s*(\d+),\s*(\d+),\s*(\d+),", stubs)
     grpcio = f"grpcio>={grpc_version.group(1)}" if grpc_version else "grpcio"
     protobuf = "protobuf>=" + ".".join(protobuf_version.groups()) if protobuf_version else "protobuf"
-    return [grpcio, protobuf]
+    return [grpcio, protobuf, "googleapis-common-protos>=1.56"]
 
 
 class BuildPyWithStubs(build_py):

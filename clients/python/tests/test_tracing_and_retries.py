@@ -130,3 +130,13 @@ def test_the_active_opentelemetry_span_is_propagated(fake) -> None:
     assert sent.group(1) == format(context.trace_id, "032x")
     assert sent.group(2) == format(context.span_id, "016x")
     assert trace.get_current_span().get_span_context().is_valid is False
+
+
+def test_the_stubs_coexist_with_googleapis_common_protos() -> None:
+    # Both register google/rpc/status.proto's types only once: the service's
+    # stubs use googleapis-common-protos' module instead of their own.
+    from google.rpc import error_details_pb2, status_pb2
+
+    assert idempotency_pb2.BatchAcquireResult.DESCRIPTOR.fields_by_name["error"].message_type \
+        is status_pb2.Status.DESCRIPTOR
+    assert error_details_pb2.ErrorInfo.DESCRIPTOR.full_name == "google.rpc.ErrorInfo"

@@ -187,7 +187,7 @@ def from_status(
 
 def _details(metadata: Optional[Sequence[Tuple[str, object]]]) -> Tuple[Optional[str], List[str]]:
     """The ErrorInfo reason and the BadRequest fields of a status's details."""
-    from ._pb.google.rpc import status_pb2
+    from google.rpc import error_details_pb2, status_pb2
 
     for key, value in metadata or ():
         if key != "grpc-status-details-bin" or not isinstance(value, bytes):
@@ -200,65 +200,16 @@ def _details(metadata: Optional[Sequence[Tuple[str, object]]]) -> Tuple[Optional
         reason: Optional[str] = None
         fields: List[str] = []
         for detail in status.details:
-            kind = detail.type_url.rsplit("/", 1)[-1]
-            if kind == "google.rpc.ErrorInfo":
-                reason = _string_field(detail.value, 1) or reason
-            elif kind == "google.rpc.BadRequest":
-                for violation in _message_fields(detail.value, 1):
-                    fields.append(_string_field(violation, 1) or "")
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                reason = info.reason or reason
+            elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                bad = error_details_pb2.BadRequest()
+                detail.Unpack(bad)
+                fields.extend(violation.field for violation in bad.field_violations)
         return reason, fields
     return None, []
-
-
-# google.rpc.ErrorInfo and BadRequest are not among the proto files the
-# package is generated from; the two fields read here are decoded by hand.
-
-
-def _fields(data: bytes):
-    position = 0
-    while position < len(data):
-        key, position = _varint(data, position)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            _, position = _varint(data, position)
-        elif wire == 2:
-            length, position = _varint(data, position)
-            yield number, data[position : position + length]
-            position += length
-        elif wire == 1:
-            position += 8
-        elif wire == 5:
-            position += 4
-        else:
-            return
-
-
-def _varint(data: bytes, position: int) -> Tuple[int, int]:
-    result = shift = 0
-    while True:
-        byte = data[position]
-        position += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, position
-        shift += 7
-
-
-def _string_field(data: bytes, number: int) -> Optional[str]:
-    try:
-        for field_number, value in _fields(data):
-            if field_number == number:
-                return value.decode("utf-8", "replace")
-    except IndexError:
-        pass
-    return None
-
-
-def _message_fields(data: bytes, number: int) -> List[bytes]:
-    try:
-        return [value for field_number, value in _fields(data) if field_number == number]
-    except IndexError:
-        return []
 
 
 class RunError(IdempotencyError):
