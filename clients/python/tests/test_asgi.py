@@ -147,6 +147,18 @@ def test_keys_are_checked_and_optional_unless_required(client: Client) -> None:
     assert app.runs == 3
 
 
+def test_a_response_too_large_to_store_answers_once_then_a_stored_500(client: Client, key: str) -> None:
+    app = App()
+    wrapped = IdempotencyMiddleware(app, client, "shop", max_stored_bytes=8)
+
+    first = call(wrapped, key=key)
+    again = call(wrapped, key=key)
+
+    assert first[0] == 201 and app.runs == 1
+    assert again[0] == 500 and again[1]["idempotent-replayed"] == "true"
+    assert json.loads(again[2])["type"] == "urn:idempotency:problem:response-not-replayable"
+
+
 def test_a_body_over_the_limit_is_413(client: Client, key: str) -> None:
     wrapped = IdempotencyMiddleware(App(), client, "shop", max_body_bytes=8)
 

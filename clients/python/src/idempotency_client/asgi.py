@@ -11,7 +11,8 @@ malformed key                                         ``400`` (``application/pro
 body over ``max_body_bytes``                          ``413``
 first request                                         the app runs; its response is stored (2xx and
                                                       4xx but 408, 409, 425, 429: ``store_when``) or
-                                                      the key released (those and 5xx, or an exception)
+                                                      the key released (those and 5xx, or an exception);
+                                                      too large to store: a stored 500
 duplicate while the first runs                        ``409`` with ``Retry-After``
 duplicate after it finished                           the stored status, allow-listed headers and
                                                       body, with ``Idempotent-Replayed: true``
@@ -77,6 +78,7 @@ class IdempotencyMiddleware:
         subject: Optional[Callable[[Scope], Optional[str]]] = None,
         exclude: Sequence[str] = (),
         max_body_bytes: int = 1024 * 1024,
+        max_stored_bytes: int = 1024 * 1024,
         store_when: Callable[[int], bool] = stores_by_default,
         replay_headers: Iterable[str] = REPLAY_HEADERS,
         on_unavailable: OnUnavailable = OnUnavailable.FAIL_CLOSED,
@@ -92,6 +94,7 @@ class IdempotencyMiddleware:
         self.methods = {method.upper() for method in methods}
         self.require_key, self.subject, self.exclude = require_key, subject, list(exclude)
         self.max_body_bytes, self.store_when, self.on_unavailable = max_body_bytes, store_when, on_unavailable
+        self.max_stored_bytes = max_stored_bytes
         self.replay_headers = {name.lower() for name in replay_headers}
         self.ttl, self.lease, self.renew_every = ttl, lease, renew_every
         self.problem_type_base = problem_type_base
@@ -166,20 +169,46 @@ class IdempotencyMiddleware:
         status = start["status"] if start else 500
         headers = list(start.get("headers", [])) if start else []
         if self.store_when(status):
-            stored = StoredResponse(status, content, _replayable(headers, self.replay_headers))
-            try:
-                await _in_thread(self.client.complete, lease.id, lease.fencing_token, stored)
-            except errors.ServiceError as error:
-                log.warning("could not store the response (key %s): %s", lease.id.key, error)
+            await _in_thread(self._store, lease, StoredResponse(status, content, _replayable(headers, self.replay_headers)))
         else:
             await _in_thread(_release, self.client, lease)
         for message in captured:
             await send(message)
 
+    def _store(self, lease: Lease, stored: StoredResponse) -> None:
+        """Stores the app's response; one too large to store is replaced by a
+        terminal 500, since running the app again could repeat its effects.
+        Any other failure leaves the key in progress until its lease passes."""
+        size = len(stored.body) + sum(len(k) + len(v) for k, v in stored.headers.items())
+        if size <= self.max_stored_bytes:
+            try:
+                self.client.complete(lease.id, lease.fencing_token, stored)
+                return
+            except errors.LeaseLost:
+                log.error("lease lost before the response was stored (key %s): the app may have run twice",
+                          lease.id.key)
+                return
+            except errors.ServiceError as error:
+                if not error.is_refusal:
+                    log.warning("response not stored (key %s): %s", lease.id.key, error)
+                    return
+        log.warning("response too large to store (key %s): retries get a 500", lease.id.key)
+        document = self._document(500, "response-not-replayable",
+                                  "the request was processed, but its response exceeded "
+                                  f"{self.max_stored_bytes} bytes and cannot be replayed")
+        try:
+            self.client.fail(lease.id, lease.fencing_token, retryable=False, error_response=StoredResponse(
+                500, document, {"content-type": "application/problem+json"}))
+        except errors.ServiceError as error:
+            log.warning("could not store the failure (key %s): %s", lease.id.key, error)
+
+    def _document(self, status: int, kind: str, detail: str) -> bytes:
+        return json.dumps({"type": self.problem_type_base + kind, "title": _TITLES.get(status, "Error"),
+                           "status": status, "detail": detail}).encode()
+
     async def _problem(self, send: Send, status: int, kind: str, detail: str,
                        extra: Sequence[Tuple[bytes, bytes]] = ()) -> None:
-        document = json.dumps({"type": self.problem_type_base + kind, "title": _TITLES.get(status, "Error"),
-                               "status": status, "detail": detail}).encode()
+        document = self._document(status, kind, detail)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/problem+json"), *extra]})
         await send({"type": "http.response.body", "body": document})
