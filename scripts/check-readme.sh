@@ -27,5 +27,6 @@ for tool in jq curl psql; do
     exit 1
   fi
 done
-cargo build --bin idempotencyd --locked
+# The build smoke-cli.sh and the other tests use: no features rebuilt.
+cargo build --locked --workspace --all-features --bin idempotencyd
 exec python3 scripts/check-readme.py "$@"

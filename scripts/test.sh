@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every check CI runs: proto lint, deployment checks (Helm chart, Kubernetes
-# schemas, alert rules), formatting, lints, the binary's commands, and all
-# tests against a real Postgres (DATABASE_URL, from scripts/with-postgres.sh).
+# schemas, alert rules), formatting, lints, the binary's commands, all
+# tests against a real Postgres (DATABASE_URL, from scripts/with-postgres.sh),
+# and the Python client's tests against the built server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,5 +22,8 @@ fi
 # nextest does not run doctests: the crate docs' quickstart must compile too.
 cargo test --doc --workspace --all-features --locked
 cargo nextest run --workspace --all-features --locked --no-fail-fast
+# The Python client (clients/python) against the real server, and the
+# fingerprint vectors it shares with the Rust client.
+scripts/test-python.sh
 # The README's sessions, pasted into a shell against a fresh server.
 scripts/check-readme.sh
