@@ -91,6 +91,8 @@ where
     if !config.methods.contains(request.method()) {
         return pass_through(inner, request).await;
     }
+    // The calls made on the request's behalf join its trace (`traceparent`).
+    let trace = crate::trace::from_headers(request.headers()).or_else(crate::trace::current);
     let key = match key::read(request.headers()) {
         KeyHeader::Present(key) => key,
         KeyHeader::Missing if !config.require_key => return pass_through(inner, request).await,
@@ -121,7 +123,7 @@ where
     // progress until its lease passed.) A panic in the handler drops the
     // lease, which releases the key, and is passed on to the caller.
     let work = acquire_and_execute(inner, client, config.clone(), acquire, request);
-    match tokio::spawn(work).await {
+    match tokio::spawn(crate::trace::within(trace, work)).await {
         Ok(result) => result,
         Err(join_error) if join_error.is_panic() => {
             std::panic::resume_unwind(join_error.into_panic())
