@@ -1,9 +1,10 @@
 //! The client crate end to end: the typed client, `Client::run`, and the
-//! HTTP layer, against the real server and a real Postgres.
+//! HTTP layer, and trace context, against the real server and a real Postgres.
 
 mod batching;
 mod connection;
 mod http_layer;
 mod run;
 mod support;
+mod trace;
 mod typed;
