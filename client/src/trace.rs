@@ -289,4 +289,31 @@ mod tests {
         .await;
         outputs
     }
+
+    /// With the `otel` feature and no scope, a call joins the current
+    /// span's OpenTelemetry trace, its own span as the parent.
+    #[cfg(feature = "otel")]
+    #[test]
+    fn with_otel_a_call_joins_the_current_spans_trace() {
+        use opentelemetry::trace::{TraceContextExt, TracerProvider};
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        use tracing_subscriber::layer::SubscriberExt;
+
+        let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder().build();
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let handler = tracing::info_span!("handler");
+        let call = handler
+            .in_scope(|| tracing::info_span!("idempotency.get", trace_id = tracing::field::Empty));
+        let context = for_call(&call);
+        let handlers = handler.context().span().span_context().clone();
+        let calls = call.context().span().span_context().clone();
+        assert_eq!(
+            context.trace_id().to_bytes(),
+            handlers.trace_id().to_bytes()
+        );
+        assert_eq!(context.parent_id().to_bytes(), calls.span_id().to_bytes());
+        assert!(context.is_sampled());
+    }
 }
