@@ -1,5 +1,6 @@
 //! The typed client: connection set-up, per-call timeouts, and retries of
-//! transient errors with exponential backoff and jitter.
+//! transient errors with exponential backoff and jitter. Each call runs in
+//! its span and sends its trace context ([`crate::trace`]).
 
 use std::{
     future::Future,
@@ -11,6 +12,7 @@ use tonic::{
     Response, Status,
     transport::{Channel, Endpoint},
 };
+use tracing::Instrument;
 
 use crate::{
     batching::{Batcher, Batching, Grpc, SendBatch},
@@ -18,12 +20,27 @@ use crate::{
     error::{Error, is_transient},
     lease::{Acquisition, Lease},
     pb,
+    trace::{self, TraceContext},
     transport::{Stub, Transport, with_timeout},
     types::{
         AcquireRequest, Record, RecordId, RecordState, StoredResponse, duration_from_pb,
         duration_to_pb, time_from_pb,
     },
 };
+
+/// The span of one call of the service on `id`: its namespace and
+/// operation, never its subject, key or response (they may be personal
+/// data); `trace_id` is filled in by [`trace::for_call`].
+macro_rules! call_span {
+    ($name:literal, $id:expr) => {
+        tracing::info_span!(
+            $name,
+            namespace = %$id.namespace,
+            operation = %$id.operation,
+            trace_id = tracing::field::Empty,
+        )
+    };
+}
 
 /// How transient errors (`UNAVAILABLE`, `DEADLINE_EXCEEDED`, a reset
 /// connection) are retried. Safe because every RPC of the service is idempotent.
@@ -180,8 +197,11 @@ impl Client {
 
     /// Reserves a key, or tells why not to run the business logic now.
     pub async fn acquire(&self, request: &AcquireRequest) -> Result<Acquisition, Error> {
+        let span = call_span!("idempotency.acquire", request.id);
+        let context = trace::for_call(&span);
         let response = self
-            .batched(self.inner.acquires.as_ref(), request.to_pb())
+            .batched(self.inner.acquires.as_ref(), request.to_pb(), context)
+            .instrument(span)
             .await?;
         use pb::acquire_response::Outcome;
         Ok(match response.outcome {
@@ -189,8 +209,11 @@ impl Client {
                 self.clone(),
                 request.id.clone(),
                 acquired.fencing_token,
-                time_from_pb(acquired.lease_expires_at),
-                time_from_pb(acquired.expires_at),
+                (
+                    time_from_pb(acquired.lease_expires_at),
+                    time_from_pb(acquired.expires_at),
+                ),
+                trace::current(),
             )),
             Some(Outcome::InProgress(in_progress)) => Acquisition::InProgress {
                 retry_after: duration_from_pb(in_progress.retry_after),
@@ -212,11 +235,14 @@ impl Client {
         let message = pb::GetRequest {
             id: Some(id.to_pb()),
         };
+        let span = call_span!("idempotency.get", id);
+        let context = trace::for_call(&span);
         let record = match self
             .call(|mut stub, timeout| {
-                let message = with_timeout(message.clone(), timeout);
+                let message = with_timeout(message.clone(), timeout, &context);
                 async move { stub.get(message).await }
             })
+            .instrument(span)
             .await
         {
             Ok(response) => response.record.unwrap_or_default(),
@@ -248,7 +274,10 @@ impl Client {
             fencing_token,
             response: Some(response.to_pb()),
         };
-        self.batched(self.inner.completes.as_ref(), message)
+        let span = call_span!("idempotency.complete", id);
+        let context = trace::for_call(&span);
+        self.batched(self.inner.completes.as_ref(), message, context)
+            .instrument(span)
             .await
             .map(drop)
     }
@@ -265,10 +294,13 @@ impl Client {
             retryable: error_response.is_none(),
             error_response: error_response.map(StoredResponse::to_pb),
         };
+        let span = call_span!("idempotency.fail", id);
+        let context = trace::for_call(&span);
         self.call(|mut stub, timeout| {
-            let message = with_timeout(message.clone(), timeout);
+            let message = with_timeout(message.clone(), timeout, &context);
             async move { stub.fail(message).await }
         })
+        .instrument(span)
         .await
         .map(drop)
     }
@@ -284,10 +316,13 @@ impl Client {
             fencing_token,
             lease: Some(duration_to_pb(lease)),
         };
+        let span = call_span!("idempotency.renew", id);
+        let context = trace::for_call(&span);
         self.call(|mut stub, timeout| {
-            let message = with_timeout(message.clone(), timeout);
+            let message = with_timeout(message.clone(), timeout, &context);
             async move { stub.renew(message).await }
         })
+        .instrument(span)
         .await
     }
 
@@ -296,15 +331,18 @@ impl Client {
         &self,
         batcher: Option<&Batcher<Grpc<R>>>,
         message: R,
+        context: TraceContext,
     ) -> Result<<Grpc<R> as SendBatch>::Response, Error>
     where
         Grpc<R>: SendBatch<Request = R>,
     {
         match batcher {
-            Some(batcher) => self.attempts(|_, _| batcher.call(&message)).await,
+            Some(batcher) => self.attempts(|_, _| batcher.call(&message, context)).await,
             None => {
-                self.attempts(|stub, timeout| Grpc::new(stub).unary(message.clone(), timeout))
-                    .await
+                self.attempts(|stub, timeout| {
+                    Grpc::new(stub).unary(message.clone(), timeout, context)
+                })
+                .await
             }
         }
     }

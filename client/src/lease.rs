@@ -10,7 +10,11 @@ use std::{
 
 use tokio::task::JoinHandle;
 
-use crate::{Client, Error, RecordId, StoredResponse, types::time_from_pb};
+use crate::{
+    Client, Error, RecordId, StoredResponse,
+    trace::{TraceContext, within},
+    types::time_from_pb,
+};
 
 /// Longest a lease is kept alive by [`Lease::keep_alive`].
 pub const MAX_KEEP_ALIVE: Duration = Duration::from_secs(60 * 60);
@@ -53,6 +57,9 @@ pub struct Lease {
     finished: bool,
     keep_alive: Option<JoinHandle<()>>,
     lost: Arc<AtomicBool>,
+    /// The trace context its Acquire ran in ([`crate::trace::scope`]): its
+    /// later calls, background ones included, join the same trace.
+    trace: Option<TraceContext>,
 }
 
 impl Lease {
@@ -60,8 +67,8 @@ impl Lease {
         client: Client,
         id: RecordId,
         fencing_token: u64,
-        lease_expires_at: SystemTime,
-        expires_at: SystemTime,
+        (lease_expires_at, expires_at): (SystemTime, SystemTime),
+        trace: Option<TraceContext>,
     ) -> Self {
         Self {
             client,
@@ -72,6 +79,7 @@ impl Lease {
             finished: false,
             keep_alive: None,
             lost: Arc::default(),
+            trace,
         }
     }
 
@@ -107,8 +115,8 @@ impl Lease {
 
     /// Extends the lease to `lease` from now.
     pub async fn renew(&mut self, lease: Duration) -> Result<(), Error> {
-        let renewed =
-            self.note_loss(self.client.renew(&self.id, self.fencing_token, lease).await)?;
+        let renewal = self.client.renew(&self.id, self.fencing_token, lease);
+        let renewed = self.note_loss(within(self.trace, renewal).await)?;
         self.lease_expires_at = time_from_pb(renewed.lease_expires_at);
         self.expires_at = time_from_pb(renewed.expires_at);
         Ok(())
@@ -144,7 +152,8 @@ impl Lease {
         let id = self.id.clone();
         let token = self.fencing_token;
         let lost = self.lost.clone();
-        self.keep_alive = Some(tokio::spawn(async move {
+        let trace = self.trace;
+        self.keep_alive = Some(tokio::spawn(within(trace, async move {
             let started = tokio::time::Instant::now();
             // When the lease ends by this machine's monotonic clock: from the
             // clock skew only until the first renewal, then from the time
@@ -182,7 +191,7 @@ impl Lease {
                     }
                 }
             }
-        }));
+        })));
     }
 
     /// Stores the response; later Acquires replay it. [`Error::LeaseLost`]
@@ -193,10 +202,8 @@ impl Lease {
     /// the lease pass. Call again to retry after an error.
     pub async fn complete(&mut self, response: &StoredResponse) -> Result<(), Error> {
         self.finishing();
-        let result = self
-            .client
-            .complete(&self.id, self.fencing_token, response)
-            .await;
+        let completion = self.client.complete(&self.id, self.fencing_token, response);
+        let result = within(self.trace, completion).await;
         self.note_loss(result)
     }
 
@@ -204,17 +211,18 @@ impl Lease {
     /// [`Acquisition::Failed`]. Never released on drop afterwards.
     pub async fn fail(&mut self, error_response: &StoredResponse) -> Result<(), Error> {
         self.finishing();
-        let result = self
+        let failure = self
             .client
-            .fail(&self.id, self.fencing_token, Some(error_response))
-            .await;
+            .fail(&self.id, self.fencing_token, Some(error_response));
+        let result = within(self.trace, failure).await;
         self.note_loss(result)
     }
 
     /// Releases the key (a retryable failure): the next Acquire takes it over.
     pub async fn release(&mut self) -> Result<(), Error> {
         self.finishing();
-        let result = self.client.fail(&self.id, self.fencing_token, None).await;
+        let release = self.client.fail(&self.id, self.fencing_token, None);
+        let result = within(self.trace, release).await;
         self.note_loss(result)
     }
 
@@ -252,11 +260,11 @@ impl Drop for Lease {
         let id = self.id.clone();
         let token = self.fencing_token;
         tracing::debug!(key = %id.key, token, "releasing an abandoned lease");
-        runtime.spawn(async move {
+        runtime.spawn(within(self.trace, async move {
             if let Err(error) = client.fail(&id, token, None).await {
                 tracing::warn!(key = %id.key, %error, "could not release an abandoned lease");
             }
-        });
+        }));
     }
 }
 

@@ -10,6 +10,8 @@
 //!   run the business logic (`complete`, `fail`, `release`, `renew`, `keep_alive`);
 //! - [`Client::run`] with [`RunOptions`]: the whole protocol in one call;
 //! - [`fingerprint`]: canonical JSON (RFC 8785) and SHA-256;
+//! - [`trace`]: a span per call and the W3C `traceparent` each call sends
+//!   ([`trace::scope`] to join an incoming request's trace);
 //! - [`pb`]: the generated protobuf types and stubs, for anything else.
 //!
 //! # Quickstart
@@ -63,6 +65,7 @@ mod run;
 mod testing;
 #[cfg(feature = "tls")]
 mod tls;
+pub mod trace;
 mod transport;
 mod types;
 

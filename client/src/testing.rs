@@ -46,6 +46,8 @@ pub(crate) struct Seen {
     pub(crate) authorization: Option<String>,
     /// The client certificate of the call's connection (DER), under TLS.
     pub(crate) peer: Option<Vec<u8>>,
+    /// Its `traceparent` metadata.
+    pub(crate) traceparent: Option<String>,
 }
 
 #[cfg(feature = "tls")]
@@ -188,6 +190,11 @@ async fn answer(
         scheme: request.uri().scheme_str().map(str::to_owned),
         authorization: authorization.clone(),
         peer,
+        traceparent: request
+            .headers()
+            .get("traceparent")
+            .and_then(|value| value.to_str().ok())
+            .map(str::to_owned),
     });
     if authorization.as_deref() == Some(&format!("Bearer {EXPIRED_TOKEN}")) {
         return Ok(Status::unauthenticated("the token has expired").into_http());

@@ -16,7 +16,10 @@ use tonic::{
     transport::Channel,
 };
 
-use crate::{credentials::Credentials, pb::idempotency_service_client::IdempotencyServiceClient};
+use crate::{
+    credentials::Credentials, pb::idempotency_service_client::IdempotencyServiceClient,
+    trace::TraceContext,
+};
 
 /// The stub every call of a [`Client`](crate::Client) uses, unary or batch:
 /// one type, so that no call can go out without the credentials.
@@ -26,10 +29,16 @@ pub(crate) fn stub(transport: Transport, credentials: Credentials) -> Stub {
     IdempotencyServiceClient::with_interceptor(transport, credentials)
 }
 
-/// A request carrying its deadline, so the server gives up when the caller does.
-pub(crate) fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T> {
+/// A request carrying its deadline, so the server gives up when the caller
+/// does, and its trace context (`traceparent`).
+pub(crate) fn with_timeout<T>(
+    message: T,
+    timeout: Duration,
+    trace: &TraceContext,
+) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
     request.set_timeout(timeout);
+    crate::trace::inject(&mut request, trace);
     request
 }
 

@@ -9,7 +9,8 @@
 //!   service's response limit counts;
 //! - [`RecordState`]: where a record is in its life;
 //! - [`reason`]: the `google.rpc.ErrorInfo` reasons (domain [`ERROR_DOMAIN`])
-//!   that errors carry, for branching on something other than message text.
+//!   that errors carry, for branching on something other than message text;
+//! - [`trace`]: the W3C `traceparent` header clients send and the service reads.
 //!
 //! Nothing here touches the network or a database: the rules live in the
 //! server, the conveniences of callers in the client.
@@ -19,6 +20,7 @@
 pub mod reason;
 mod response;
 mod state;
+pub mod trace;
 
 pub use reason::ERROR_DOMAIN;
 pub use response::StoredResponse;

@@ -14,7 +14,8 @@
 //!
 //! Around them: [`security`] (TLS, caller identity, the namespace policy;
 //! applied to calls by `grpc::auth`), [`db`] (pool and migrations), [`health`] (the database probe
-//! behind `grpc.health.v1`), [`telemetry`] (logs and the metrics recorder),
+//! behind `grpc.health.v1`), [`telemetry`] (logs and the metrics recorder;
+//! `otel`, with the feature of that name: OpenTelemetry export of each call's span),
 //! [`metrics`] (the name and HELP text of every metric), [`maintenance`]
 //! (the reaper and the table gauges), [`admin`] (the operator commands),
 //! [`shutdown`] (the process signal).
@@ -32,6 +33,8 @@ pub mod grpc;
 pub mod health;
 pub mod maintenance;
 pub mod metrics;
+#[cfg(feature = "otel")]
+pub mod otel;
 pub mod replay_cache;
 pub mod security;
 pub mod settings;

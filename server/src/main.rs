@@ -35,7 +35,7 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
 }
 
 async fn serve(settings: Settings) -> anyhow::Result<ExitCode> {
-    telemetry::init_logs(&settings.log);
+    let _telemetry = telemetry::init_serve_logs(&settings.log, settings.otlp_endpoint.as_ref())?;
     Application::build(settings)
         .await?
         .run_until_stopped(shutdown::signal())

@@ -184,6 +184,18 @@ pub struct Settings {
     /// that cached the record only after this long.
     #[arg(long, env = "IDEMPOTENCY_REPLAY_CACHE_MAX_AGE", default_value = "10s", value_parser = humantime::parse_duration)]
     pub replay_cache_max_age: Duration,
+    /// One log line per call of the API (target `idempotency_server::calls`):
+    /// its RPC, gRPC code, outcome, duration and trace id. Off by default:
+    /// at 10k calls/s that is 10k lines/s to format, ship and store. Every
+    /// line logged while serving a call carries its trace id either way.
+    #[arg(long, env = "IDEMPOTENCY_LOG_CALLS")]
+    pub log_calls: bool,
+    /// Export each call's span to this OpenTelemetry collector (OTLP over
+    /// gRPC, e.g. http://otel-collector:4317), as a child of the caller's
+    /// span when its `traceparent` names one. Needs a server built with
+    /// the `otel` feature; unset: nothing is exported.
+    #[arg(long, env = "IDEMPOTENCY_OTLP_ENDPOINT", value_name = "URL")]
+    pub otlp_endpoint: Option<url::Url>,
     /// Distinct `namespace` label values in /metrics; later namespaces are counted as `_other`.
     #[arg(
         long,

@@ -45,6 +45,7 @@ use crate::{
         deadline::DeadlineLayer,
         pb,
         service::IdempotencyServiceServer,
+        trace::TraceLayer,
     },
     health, maintenance,
     metrics::NamespaceLabels,
@@ -257,6 +258,7 @@ fn check(settings: &Settings, pool: &PgPool) -> Result<(), StartupError> {
     let limits = settings.limits();
     limits.check()?;
     check_budget_fits_a_call(&limits, settings.max_in_flight_bytes)?;
+    check_otlp(settings)?;
     if let Some(batching) = settings.batch_settings() {
         check_pool_fits_batching(pool, batching)?;
     }
@@ -291,6 +293,20 @@ fn check_pool_fits_batching(pool: &PgPool, batching: BatchSettings) -> Result<()
         ),
     )
     .into())
+}
+
+/// `--otlp-endpoint` needs the `otel` feature: a server built without it
+/// refuses to start rather than silently export nothing.
+fn check_otlp(settings: &Settings) -> Result<(), InvalidField> {
+    if settings.otlp_endpoint.is_none() || cfg!(feature = "otel") {
+        return Ok(());
+    }
+    Err(InvalidField::new(
+        "otlp_endpoint",
+        "this idempotencyd was built without the `otel` feature, so it cannot export spans; \
+         unset --otlp-endpoint (IDEMPOTENCY_OTLP_ENDPOINT), or build with \
+         `cargo build --features otel`",
+    ))
 }
 
 /// Every call the limits allow must fit in the memory budget, or it would
@@ -396,8 +412,11 @@ fn grpc_server(
     let router = connections
         .server()
         .max_connection_age(settings.security.max_connection_age)
-        // Outermost first: who calls (headers only), then the call's
-        // deadline, which also bounds admission's wait for the message.
+        // Outermost first: the call's span (so that whatever is logged
+        // about the call carries its trace id, refusals included), who calls
+        // (headers only), then the call's deadline, which also bounds
+        // admission's wait for the message.
+        .layer(TraceLayer::new(settings.log_calls))
         .layer(AuthLayer::new(security.auth.clone()))
         .layer(DeadlineLayer::new(settings.request_timeout))
         .layer(admission)
@@ -598,4 +617,24 @@ pub async fn migrate(
     db::migrate(&pool).await.map_err(StartupError::Migrate)?;
     pool.close().await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_otlp_endpoint_needs_the_otel_feature() {
+        let mut settings =
+            Settings::from_flags(["--database-url", "postgres://db/x"]).expect("valid flags");
+        assert!(check_otlp(&settings).is_ok());
+        settings.otlp_endpoint = Some("http://collector:4317".parse().unwrap());
+        let checked = check_otlp(&settings);
+        if cfg!(feature = "otel") {
+            assert!(checked.is_ok());
+        } else {
+            let error = checked.unwrap_err().to_string();
+            assert!(error.contains("otel"), "{error}");
+        }
+    }
 }

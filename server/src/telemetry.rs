@@ -1,11 +1,31 @@
 //! Logs (tracing) and metrics (Prometheus) set-up.
+//!
+//! JSON lines (`--log-format json`) carry the event's fields at the top
+//! level, the current span's fields under `span` and every enclosing span's
+//! under `spans`; a line logged while serving a call also starts with the
+//! call's `trace_id` (see [`crate::grpc::trace`]), so that log collectors
+//! find it in one place whatever span the line came from.
 
-use std::sync::OnceLock;
+use std::{fmt as stdfmt, sync::OnceLock};
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use tracing_subscriber::{EnvFilter, fmt, fmt::MakeWriter};
+use tracing::{Event, Subscriber};
+use tracing_subscriber::{
+    EnvFilter, fmt,
+    fmt::{FmtContext, FormatEvent, FormatFields, FormattedFields, MakeWriter, format::Writer},
+    registry::LookupSpan,
+    util::SubscriberInitExt,
+};
 
 use crate::settings::{LogArgs, LogFormat};
+
+/// What must live as long as the process logs: with OpenTelemetry export
+/// on, the exporter, which sends its last spans when dropped.
+#[must_use = "dropping it stops the export of spans"]
+pub struct Telemetry {
+    #[cfg(feature = "otel")]
+    _otel: Option<crate::otel::Exporter>,
+}
 
 /// The log target of audit lines (an operator's `admin purge`).
 pub const AUDIT_TARGET: &str = "audit";
@@ -22,14 +42,128 @@ pub fn init_logs_to<W>(args: &LogArgs, writer: W)
 where
     W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
 {
+    let _ = init_with_export(args, writer, None);
+}
+
+/// The log subscriber of `serve`: [`init_logs`], and with `otlp_endpoint`
+/// (the `otel` feature) each call's span exported there. Keep the returned
+/// [`Telemetry`] until the process ends.
+pub fn init_serve_logs(
+    args: &LogArgs,
+    otlp_endpoint: Option<&url::Url>,
+) -> Result<Telemetry, TelemetryError> {
+    init_with_export(args, std::io::stdout, otlp_endpoint)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    #[error(
+        "--otlp-endpoint is set, but this idempotencyd was built without the `otel` feature; \
+         unset it, or build with `cargo build --features otel`"
+    )]
+    OtelNotBuilt,
+    #[cfg(feature = "otel")]
+    #[error("starting the OTLP exporter")]
+    Otel(#[from] opentelemetry_otlp::ExporterBuildError),
+}
+
+fn init_with_export<W>(
+    args: &LogArgs,
+    writer: W,
+    otlp_endpoint: Option<&url::Url>,
+) -> Result<Telemetry, TelemetryError>
+where
+    W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
+{
     let builder = fmt()
         .with_env_filter(filter(&args.log_level))
         .with_target(true)
         .with_writer(writer);
     match args.log_format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
+        LogFormat::Text => install(builder.finish(), otlp_endpoint),
+        LogFormat::Json => install(
+            builder
+                .json()
+                .flatten_event(true)
+                .map_event_format(TraceIdFirst)
+                .finish(),
+            otlp_endpoint,
+        ),
     }
+}
+
+/// Installs `subscriber` as the global one, with the OpenTelemetry layer
+/// when `otlp_endpoint` asks for it.
+fn install<S>(subscriber: S, otlp_endpoint: Option<&url::Url>) -> Result<Telemetry, TelemetryError>
+where
+    S: Subscriber + for<'a> LookupSpan<'a> + Send + Sync + 'static,
+{
+    #[cfg(feature = "otel")]
+    {
+        use tracing_subscriber::layer::SubscriberExt;
+        let (layer, exporter) = match otlp_endpoint {
+            Some(endpoint) => {
+                let (layer, exporter) = crate::otel::layer(endpoint)?;
+                (Some(layer), Some(exporter))
+            }
+            None => (None, None),
+        };
+        subscriber.with(layer).init();
+        Ok(Telemetry { _otel: exporter })
+    }
+    #[cfg(not(feature = "otel"))]
+    {
+        subscriber.init();
+        match otlp_endpoint {
+            Some(_) => Err(TelemetryError::OtelNotBuilt),
+            None => Ok(Telemetry {}),
+        }
+    }
+}
+
+/// The JSON event format with the enclosing call's `trace_id` put first on
+/// the line (`{"trace_id":"…","timestamp":…}`); lines outside a call as they were.
+struct TraceIdFirst<F>(F);
+
+impl<S, N, F> FormatEvent<S, N> for TraceIdFirst<F>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+    F: FormatEvent<S, N>,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &Event<'_>,
+    ) -> stdfmt::Result {
+        let trace_id = ctx.event_scope().and_then(|scope| {
+            scope.into_iter().find_map(|span| {
+                let extensions = span.extensions();
+                let fields = extensions.get::<FormattedFields<N>>()?;
+                trace_id_in(fields)
+            })
+        });
+        let Some(trace_id) = trace_id else {
+            return self.0.format_event(ctx, writer, event);
+        };
+        let mut line = String::with_capacity(512);
+        self.0.format_event(ctx, Writer::new(&mut line), event)?;
+        let Some(rest) = line.strip_prefix('{') else {
+            return writer.write_str(&line);
+        };
+        let trace_id = std::str::from_utf8(&trace_id).map_err(|_| stdfmt::Error)?;
+        write!(writer, "{{\"trace_id\":\"{trace_id}\",{rest}")
+    }
+}
+
+/// The `trace_id` among a span's fields, as the JSON field formatter wrote
+/// them (`{"rpc":"Acquire","trace_id":"4bf9…"}`): 32 hex digits, copied.
+fn trace_id_in(fields: &str) -> Option<[u8; 32]> {
+    const KEY: &str = "\"trace_id\":\"";
+    let start = fields.find(KEY)? + KEY.len();
+    let id: [u8; 32] = fields.as_bytes().get(start..start + 32)?.try_into().ok()?;
+    id.iter().all(u8::is_ascii_hexdigit).then_some(id)
 }
 
 /// The filter `--log-level` asks for, with audit lines kept whatever the
@@ -106,4 +240,69 @@ pub fn metrics_handle() -> PrometheusHandle {
             handle
         })
         .clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Lines {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn json_lines_within_a_call_start_with_its_trace_id() {
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = fmt()
+            .with_writer(move || writer.clone())
+            .json()
+            .flatten_event(true)
+            .map_event_format(TraceIdFirst)
+            .finish();
+        let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::info!("outside");
+            tracing::error_span!("rpc", rpc = "Acquire", trace_id).in_scope(|| {
+                tracing::info!(key = "k", "in the call");
+                tracing::info_span!("statement").in_scope(|| tracing::warn!("deeper"));
+            });
+        });
+        let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        let outside: serde_json::Value = serde_json::from_str(lines[0]).unwrap();
+        assert!(outside.get("trace_id").is_none(), "{outside}");
+        for line in &lines[1..] {
+            assert!(
+                line.starts_with(&format!("{{\"trace_id\":\"{trace_id}\",")),
+                "{line}"
+            );
+            let parsed: serde_json::Value = serde_json::from_str(line).unwrap();
+            assert_eq!(parsed["trace_id"], trace_id);
+        }
+        let inner: serde_json::Value = serde_json::from_str(lines[1]).unwrap();
+        assert_eq!(inner["key"], "k");
+        assert_eq!(inner["span"]["rpc"], "Acquire");
+    }
+
+    #[test]
+    fn a_trace_id_is_found_only_as_32_hex_digits() {
+        let id = "4bf92f3577b34da6a3ce929d0e0e4736";
+        let found = trace_id_in(&format!(r#"{{"rpc":"Get","trace_id":"{id}"}}"#));
+        assert_eq!(found.as_ref().map(|id| &id[..]), Some(id.as_bytes()));
+        assert_eq!(trace_id_in(r#"{"trace_id":"short"}"#), None);
+        assert_eq!(trace_id_in(r#"{"rpc":"Get"}"#), None);
+    }
 }

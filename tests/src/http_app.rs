@@ -194,9 +194,24 @@ impl HttpClient {
 
     /// POSTs JSON `body` to `path` with the key (when given) on behalf of `user`.
     pub async fn post(&self, path: &str, key: Option<&str>, user: &str, body: &str) -> HttpAnswer {
+        self.post_with(path, key, user, body, &[]).await
+    }
+
+    /// [`Self::post`] with `headers` added (e.g. a `traceparent`).
+    pub async fn post_with(
+        &self,
+        path: &str,
+        key: Option<&str>,
+        user: &str,
+        body: &str,
+        headers: &[(&str, &str)],
+    ) -> HttpAnswer {
         let mut request = http::Request::post(format!("{}{path}", self.base))
             .header(header::CONTENT_TYPE, "application/json")
             .header("x-user-id", user);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
         if let Some(key) = key {
             request = request.header("idempotency-key", key);
         }

@@ -5,6 +5,7 @@
 
 mod database;
 pub mod http_app;
+pub mod process;
 mod proxy;
 pub mod raw;
 pub mod security;

@@ -47,6 +47,7 @@ use tonic::{Code, Status, codegen::Bytes};
 
 use crate::{
     pb,
+    trace::TraceContext,
     transport::{Stub, with_timeout},
 };
 
@@ -86,19 +87,22 @@ pub(crate) trait SendBatch: Clone + Send + Sync + 'static {
     /// The unary call's response.
     type Response: Send + 'static;
 
-    /// The unary RPC, with `timeout` as its deadline.
+    /// The unary RPC, with `timeout` as its deadline, in `trace`.
     fn unary(
         &self,
         request: Self::Request,
         timeout: Duration,
+        trace: TraceContext,
     ) -> BoxFuture<ItemResult<Self::Response>>;
 
     /// The batch RPC: each item's answer, in the order of `requests`, or the
-    /// error of the whole call.
+    /// error of the whole call. `trace`: the first item's (one RPC carries
+    /// one `traceparent`).
     fn batch(
         &self,
         requests: Vec<Self::Request>,
         timeout: Duration,
+        trace: TraceContext,
     ) -> BoxFuture<Result<Vec<ItemResult<Self::Response>>, Status>>;
 }
 
@@ -121,6 +125,8 @@ struct Job<S: SendBatch> {
     /// The caller's deadline, counted from when it queued: the batch carries
     /// the latest of its items', so the server gives up when all have.
     deadline: Instant,
+    /// The caller's trace context.
+    trace: TraceContext,
     reply: ReplySender<S::Response>,
 }
 
@@ -188,10 +194,17 @@ impl<S: SendBatch> Batcher<S> {
     /// the whole call with the client's timeout. The request carries that
     /// timeout, counted from now, as its deadline; a batch carries the latest
     /// deadline of its calls.
-    pub(crate) async fn call(&self, request: &S::Request) -> ItemResult<S::Response> {
+    pub(crate) async fn call(
+        &self,
+        request: &S::Request,
+        trace: TraceContext,
+    ) -> ItemResult<S::Response> {
         let bytes = request.encoded_len();
         if bytes > self.settings.max_bytes / 4 || self.learned.unsupported() {
-            return self.sender.unary(request.clone(), self.timeout).await;
+            return self
+                .sender
+                .unary(request.clone(), self.timeout, trace)
+                .await;
         }
         let deadline = Instant::now() + self.timeout;
         let (reply, answer) = oneshot::channel();
@@ -199,6 +212,7 @@ impl<S: SendBatch> Batcher<S> {
             request: request.clone(),
             bytes,
             deadline,
+            trace,
             reply,
         });
         match answer.await {
@@ -206,7 +220,7 @@ impl<S: SendBatch> Batcher<S> {
             Ok(Reply::SendAlone) => {
                 let left = deadline.saturating_duration_since(Instant::now());
                 let timeout = left.max(Duration::from_millis(1));
-                self.sender.unary(request.clone(), timeout).await
+                self.sender.unary(request.clone(), timeout, trace).await
             }
             Err(_) => Err(Status::unavailable(
                 "the batch carrying this call was dropped",
@@ -337,6 +351,7 @@ async fn send<S: SendBatch>(
     {
         return send_one(&sender, job, timeout).await;
     }
+    let trace = batch[0].trace;
     let (requests, replies): (Vec<S::Request>, Vec<_>) = batch
         .into_iter()
         .map(|job| (job.request, job.reply))
@@ -345,7 +360,7 @@ async fn send<S: SendBatch>(
         return send_alone(replies);
     }
     let count = requests.len();
-    let result = sender.batch(requests, timeout).await;
+    let result = sender.batch(requests, timeout, trace).await;
     answer(&learned, replies, count, result);
 }
 
@@ -368,10 +383,13 @@ fn batch_timeout<S: SendBatch>(batch: &[Job<S>]) -> Duration {
 /// the permit goes on to the calls queued behind it.
 async fn send_one<S: SendBatch>(sender: &S, job: Job<S>, timeout: Duration) {
     let Job {
-        request, mut reply, ..
+        request,
+        mut reply,
+        trace,
+        ..
     } = job;
     tokio::select! {
-        result = sender.unary(request, timeout) => {
+        result = sender.unary(request, timeout, trace) => {
             let _ = reply.send(Reply::Answer(result));
         }
         () = reply.closed() => {}
@@ -504,10 +522,11 @@ macro_rules! batch_rpc {
                 &self,
                 request: Self::Request,
                 timeout: Duration,
+                trace: TraceContext,
             ) -> BoxFuture<ItemResult<Self::Response>> {
                 let mut stub = self.stub.clone();
                 Box::pin(async move {
-                    stub.$unary(with_timeout(request, timeout))
+                    stub.$unary(with_timeout(request, timeout, &trace))
                         .await
                         .map(tonic::Response::into_inner)
                 })
@@ -517,11 +536,16 @@ macro_rules! batch_rpc {
                 &self,
                 requests: Vec<Self::Request>,
                 timeout: Duration,
+                trace: TraceContext,
             ) -> BoxFuture<Result<Vec<ItemResult<Self::Response>>, Status>> {
                 let mut stub = self.stub.clone();
                 Box::pin(async move {
                     let response = stub
-                        .$batch(with_timeout(pb::$batch_request { requests }, timeout))
+                        .$batch(with_timeout(
+                            pb::$batch_request { requests },
+                            timeout,
+                            &trace,
+                        ))
                         .await?
                         .into_inner();
                     use pb::$result::Result as Item;

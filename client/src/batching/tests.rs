@@ -99,7 +99,12 @@ impl SendBatch for Fake {
     type Request = String;
     type Response = String;
 
-    fn unary(&self, request: String, _: Duration) -> BoxFuture<ItemResult<String>> {
+    fn unary(
+        &self,
+        request: String,
+        _: Duration,
+        _: TraceContext,
+    ) -> BoxFuture<ItemResult<String>> {
         let fake = self.clone();
         Box::pin(async move {
             let _on_the_wire = fake.receive(Sent::Unary(request.clone()));
@@ -112,6 +117,7 @@ impl SendBatch for Fake {
         &self,
         requests: Vec<String>,
         _: Duration,
+        _: TraceContext,
     ) -> BoxFuture<Result<Vec<ItemResult<String>>, Status>> {
         let fake = self.clone();
         Box::pin(async move {
@@ -157,7 +163,7 @@ fn one_at_a_time() -> Batching {
 
 fn spawn_call(batcher: &Arc<Batcher<Fake>>, request: &str) -> JoinHandle<ItemResult<String>> {
     let (batcher, request) = (batcher.clone(), request.to_owned());
-    tokio::spawn(async move { batcher.call(&request).await })
+    tokio::spawn(async move { batcher.call(&request, TraceContext::random()).await })
 }
 
 fn spawn_calls(
@@ -190,7 +196,9 @@ async fn a_lone_call_goes_at_once_as_the_unary_rpc() {
     let batcher = batcher(&fake, Batching::default());
     let started = Instant::now();
 
-    let answer = batcher.call(&"lone".to_owned()).await;
+    let answer = batcher
+        .call(&"lone".to_owned(), TraceContext::random())
+        .await;
 
     assert_eq!(answer.unwrap(), "answer to lone");
     assert_eq!(started.elapsed(), DELAY, "no waiting window");
@@ -315,8 +323,14 @@ async fn a_caller_that_gives_up_while_queued_is_not_sent() {
     let first = spawn_call(&batcher, "first");
     settle().await;
 
-    let gives_up = tokio::time::timeout(DELAY / 2, batcher.call(&"gives-up".to_owned())).await;
-    let after = batcher.call(&"after".to_owned()).await;
+    let gives_up = tokio::time::timeout(
+        DELAY / 2,
+        batcher.call(&"gives-up".to_owned(), TraceContext::random()),
+    )
+    .await;
+    let after = batcher
+        .call(&"after".to_owned(), TraceContext::random())
+        .await;
 
     assert!(gives_up.is_err());
     assert_eq!(after.unwrap(), "answer to after");
@@ -357,7 +371,11 @@ async fn a_caller_leaving_a_batch_does_not_take_down_the_others() {
         let batcher = batcher.clone();
         tokio::spawn(async move {
             let request = "leaves".to_owned();
-            tokio::time::timeout(DELAY + DELAY / 2, batcher.call(&request)).await
+            tokio::time::timeout(
+                DELAY + DELAY / 2,
+                batcher.call(&request, TraceContext::random()),
+            )
+            .await
         })
     };
     let more = spawn_calls(&batcher, &["c"]);
@@ -532,7 +550,9 @@ async fn a_call_whose_deadline_passes_while_queued_is_told_so_and_not_sent() {
     let first = spawn_call(&batcher, "first");
     settle().await;
 
-    let expired = batcher.call(&"expired".to_owned()).await;
+    let expired = batcher
+        .call(&"expired".to_owned(), TraceContext::random())
+        .await;
 
     assert_eq!(expired.unwrap_err().code(), Code::DeadlineExceeded);
     assert!(first.await.unwrap().is_ok());
@@ -543,7 +563,10 @@ async fn a_call_whose_deadline_passes_while_queued_is_told_so_and_not_sent() {
 async fn the_dispatcher_ends_when_the_batcher_is_dropped() {
     let fake = Fake::new(DELAY);
     let batcher = batcher(&fake, Batching::default());
-    batcher.call(&"warm-up".to_owned()).await.unwrap();
+    batcher
+        .call(&"warm-up".to_owned(), TraceContext::random())
+        .await
+        .unwrap();
     assert_eq!(
         Arc::strong_count(&fake.0),
         3,
@@ -584,7 +607,9 @@ fn a_batcher_outliving_its_runtime_keeps_working() {
 
     let second = runtime();
     let answers = second.block_on(async {
-        let lone = batcher.call(&"lone".to_owned()).await;
+        let lone = batcher
+            .call(&"lone".to_owned(), TraceContext::random())
+            .await;
         let calls = spawn_calls(&batcher, &["c", "d"]);
         (lone, answers(calls).await)
     });

@@ -64,12 +64,13 @@ where
         // Call the instance that was made ready; leave a fresh clone behind.
         let fresh = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, fresh);
-        Box::pin(handle(
-            inner,
-            self.client.clone(),
-            self.config.clone(),
-            request,
-        ))
+        // The calls made on the request's behalf join its trace (`traceparent`).
+        let trace = crate::trace::from_headers(request.headers());
+        let handled = handle(inner, self.client.clone(), self.config.clone(), request);
+        match trace {
+            Some(trace) => Box::pin(crate::trace::scope(trace, handled)),
+            None => Box::pin(handled),
+        }
     }
 }
 
@@ -123,7 +124,7 @@ where
     // progress until its lease passed.) A panic in the handler drops the
     // lease, which releases the key, and is passed on to the caller.
     let work = acquire_and_execute(inner, client, config.clone(), acquire, request);
-    match tokio::spawn(work).await {
+    match tokio::spawn(crate::trace::within(crate::trace::current(), work)).await {
         Ok(result) => result,
         Err(join_error) if join_error.is_panic() => {
             std::panic::resume_unwind(join_error.into_panic())

@@ -92,7 +92,7 @@ where
 
 /// The service's RPC a path names, as a metric label: a static name, so
 /// that no call pays an allocation for a label only a timeout uses.
-fn rpc_of(path: &str) -> Option<&'static str> {
+pub(super) fn rpc_of(path: &str) -> Option<&'static str> {
     let method = path.strip_prefix(SERVICE_PREFIX)?;
     Some(
         RPCS.into_iter()

@@ -1,5 +1,7 @@
 //! Per-call metrics. The guard records on drop, so a call whose client went
 //! away (its future dropped mid-flight) is still counted, as `cancelled`.
+//! It also fills in the call's span (see [`super::trace`]): the namespace,
+//! and a unary call's outcome (a batch's items each have their own).
 
 use std::time::Instant;
 
@@ -21,6 +23,8 @@ pub struct CallMetrics<'a> {
     outcome: &'static str,
     labels: &'a NamespaceLabels,
     namespace: SharedString,
+    /// An item of a batch call, whose outcome is not the call's.
+    item: bool,
 }
 
 impl<'a> CallMetrics<'a> {
@@ -31,7 +35,15 @@ impl<'a> CallMetrics<'a> {
             outcome: "cancelled",
             labels,
             namespace: SharedString::const_str(INVALID_NAMESPACE),
+            item: false,
         }
+    }
+
+    /// Times and counts one item of a batch call.
+    pub fn start_item(rpc: &'static str, labels: &'a NamespaceLabels) -> Self {
+        let mut call = Self::start(rpc, labels);
+        call.item = true;
+        call
     }
 
     /// The RPC being counted.
@@ -42,6 +54,7 @@ impl<'a> CallMetrics<'a> {
     /// Names the caller's namespace once the request parsed.
     pub fn namespace(&mut self, namespace: &str) {
         self.namespace = self.labels.label(namespace);
+        tracing::Span::current().record("namespace", namespace);
     }
 
     /// Records how the call ended: `ok`, or the error's code.
@@ -82,6 +95,9 @@ impl<'a> CallMetrics<'a> {
 
 impl Drop for CallMetrics<'_> {
     fn drop(&mut self) {
+        if !self.item {
+            tracing::Span::current().record("outcome", self.outcome);
+        }
         metrics::counter!(
             REQUESTS_TOTAL,
             "rpc" => self.rpc,

@@ -12,7 +12,9 @@
 //! - [`service`]: one method per RPC: convert, call the engine, convert back;
 //! - [`convert`]: protobuf <-> domain types, with field paths for errors;
 //! - [`status`]: the one place engine errors become `tonic::Status`;
-//! - [`metrics`]: per-call count and duration, recorded even when a call is cancelled.
+//! - [`metrics`]: per-call count and duration, recorded even when a call is cancelled;
+//! - [`trace`]: each call in a span with the caller's trace id (W3C
+//!   `traceparent`), and the `--log-calls` line.
 
 pub mod admission;
 pub mod auth;
@@ -23,6 +25,7 @@ pub mod deadline;
 pub mod metrics;
 pub mod service;
 pub mod status;
+pub mod trace;
 pub mod wire;
 
 /// Messages and the server trait generated from `proto/idempotency/v1/idempotency.proto`

@@ -132,7 +132,7 @@ impl GrpcService {
         let items: Vec<_> = requests
             .into_iter()
             .map(|request| {
-                let mut call = CallMetrics::start(item_rpc, &self.namespaces);
+                let mut call = CallMetrics::start_item(item_rpc, &self.namespaces);
                 let taken = take(&mut call, request).map(|parsed| valid.push(parsed));
                 (call, taken)
             })

@@ -1,5 +1,5 @@
 //! The client crate end to end: the typed client, `Client::run`, and the
-//! HTTP layer, against the real server and a real Postgres.
+//! HTTP layer, and trace context, against the real server and a real Postgres.
 
 mod batching;
 mod connection;
@@ -7,4 +7,5 @@ mod http_layer;
 mod hyper_layer;
 mod run;
 mod support;
+mod trace;
 mod typed;

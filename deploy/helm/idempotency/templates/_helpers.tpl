@@ -329,6 +329,10 @@ IDEMPOTENCY_HEALTH_CHECK_INTERVAL: {{ $c.healthCheckInterval | quote }}
 IDEMPOTENCY_DRAIN_TIMEOUT: {{ $c.drainTimeout | quote }}
 IDEMPOTENCY_LOG_LEVEL: {{ $c.logLevel | quote }}
 IDEMPOTENCY_LOG_FORMAT: {{ $c.logFormat | quote }}
+IDEMPOTENCY_LOG_CALLS: {{ $c.logCalls | toString | quote }}
+{{- with $c.otlpEndpoint }}
+IDEMPOTENCY_OTLP_ENDPOINT: {{ . | quote }}
+{{- end }}
 IDEMPOTENCY_STATS_INTERVAL: {{ $c.statsInterval | quote }}
 IDEMPOTENCY_METRICS_MAX_NAMESPACES: {{ int64 $c.metricsMaxNamespaces | toString | quote }}
 IDEMPOTENCY_REAPER_ENABLED: {{ not $r.cronJob.enabled | toString | quote }}

@@ -1,0 +1,202 @@
+//! Trace context end to end: the real `idempotencyd` binary with JSON logs
+//! and `--log-calls`; the trace id a caller sends (`traceparent`) is found
+//! in the server's line for that call, through the Rust client
+//! (`trace::scope`), raw gRPC metadata and the HTTP layer; a call without
+//! one, or with an invalid one, gets a new trace id and succeeds.
+
+use std::time::Duration;
+
+use idempotency_client::{
+    Acquisition, Client, StoredResponse,
+    http::HttpConfig,
+    pb::{self, idempotency_service_client::IdempotencyServiceClient},
+    trace::{self, TraceContext},
+};
+use idempotency_tests::{
+    TestDb, http_app::PaymentsApp, process::ServerProcess, record_id, unique_key,
+};
+use serde_json::Value;
+use tonic::{Code, transport::Channel};
+
+use crate::support::request;
+
+/// The server with JSON logs and a line per call.
+async fn server(db: &TestDb) -> ServerProcess {
+    ServerProcess::start(db.url().as_str(), &["--log-calls"]).await
+}
+
+fn client_of(server: &ServerProcess) -> Client {
+    Client::builder()
+        .endpoint(format!("http://{}", server.addr))
+        .connect_lazy()
+        .unwrap()
+}
+
+async fn raw_client(server: &ServerProcess) -> IdempotencyServiceClient<Channel> {
+    IdempotencyServiceClient::connect(format!("http://{}", server.addr))
+        .await
+        .unwrap()
+}
+
+/// The `--log-calls` line of an `rpc` call in the trace `trace_id`.
+async fn call_line(server: &mut ServerProcess, rpc: &str, trace_id: &str) -> Value {
+    server
+        .wait_for_line(|line| is_call(line, rpc) && line["trace_id"] == trace_id)
+        .await
+}
+
+fn is_call(line: &Value, rpc: &str) -> bool {
+    line["target"] == "idempotency_server::calls" && line["rpc"] == rpc
+}
+
+/// A request with `traceparent` metadata.
+fn with_traceparent<T>(message: T, traceparent: &str) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request
+        .metadata_mut()
+        .insert("traceparent", traceparent.parse().unwrap());
+    request
+}
+
+fn assert_fresh_trace_id(line: &Value) {
+    let trace_id = line["trace_id"].as_str().expect("a trace id");
+    assert_eq!(trace_id.len(), 32, "{line}");
+    assert!(
+        trace_id
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
+        "{line}"
+    );
+    assert_ne!(trace_id, "0".repeat(32), "{line}");
+    assert!(line["span"].get("parent_span_id").is_none(), "{line}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_trace_id_a_caller_sends_is_in_the_servers_line_for_the_call() {
+    let db = TestDb::new().await;
+    let mut server = server(&db).await;
+    let client = client_of(&server);
+
+    // The Rust client, in the context of an incoming request.
+    let sent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let context = TraceContext::parse(sent).unwrap();
+    let request = request("traced");
+    trace::scope(context, async {
+        let Acquisition::Proceed(mut lease) = client.acquire(&request).await.unwrap() else {
+            panic!("a new key proceeds");
+        };
+        lease
+            .complete(&StoredResponse::new(201, "done"))
+            .await
+            .unwrap();
+    })
+    .await;
+    let acquired = call_line(&mut server, "Acquire", "0af7651916cd43dd8448eb211c80319c").await;
+    assert_eq!(
+        acquired["span"]["parent_span_id"], "b7ad6b7169203331",
+        "{acquired}"
+    );
+    assert_eq!(acquired["grpc_code"], 0, "{acquired}");
+    assert_eq!(acquired["code"], "Ok", "{acquired}");
+    assert_eq!(acquired["span"]["namespace"], "payments", "{acquired}");
+    assert_eq!(acquired["span"]["outcome"], "acquired", "{acquired}");
+    assert!(acquired["duration_ms"].as_f64().is_some(), "{acquired}");
+    // The subject and the key are not logged.
+    assert!(
+        !acquired.to_string().contains(&request.id.key),
+        "{acquired}"
+    );
+    let completed = call_line(&mut server, "Complete", "0af7651916cd43dd8448eb211c80319c").await;
+    assert_eq!(completed["grpc_code"], 0, "{completed}");
+
+    // Raw gRPC metadata, on a call that fails: the line has its code.
+    let sent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00";
+    let get = pb::GetRequest {
+        id: Some(record_id(&unique_key("absent"))),
+    };
+    let status = raw_client(&server)
+        .await
+        .get(with_traceparent(get, sent))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::NotFound);
+    let missed = call_line(&mut server, "Get", "4bf92f3577b34da6a3ce929d0e0e4736").await;
+    assert_eq!(missed["grpc_code"], Code::NotFound as i32, "{missed}");
+    assert_eq!(
+        missed["span"]["parent_span_id"], "00f067aa0ba902b7",
+        "{missed}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_without_a_valid_traceparent_gets_a_new_trace_id_and_succeeds() {
+    let db = TestDb::new().await;
+    let mut server = server(&db).await;
+    let mut raw = raw_client(&server).await;
+
+    // No header at all.
+    let renew = pb::RenewRequest {
+        id: Some(record_id(&unique_key("absent"))),
+        fencing_token: 1,
+        lease: Some(idempotency_tests::seconds(30)),
+    };
+    let _ = raw.renew(renew).await;
+    let untraced = server.wait_for_line(|line| is_call(line, "Renew")).await;
+    assert_fresh_trace_id(&untraced);
+
+    // An invalid header (uppercase hex) is ignored: the call succeeds.
+    let invalid = "00-4BF92F3577B34DA6A3CE929D0E0E4736-00F067AA0BA902B7-01";
+    let acquire = pb::AcquireRequest {
+        id: Some(record_id(&unique_key("invalid-trace"))),
+        fingerprint: b"f".to_vec(),
+        ..Default::default()
+    };
+    let answer = raw
+        .acquire(with_traceparent(acquire, invalid))
+        .await
+        .unwrap();
+    assert!(matches!(
+        answer.into_inner().outcome,
+        Some(pb::acquire_response::Outcome::Acquired(_))
+    ));
+    let line = server.wait_for_line(|line| is_call(line, "Acquire")).await;
+    assert_fresh_trace_id(&line);
+    assert_ne!(
+        line["trace_id"], "4bf92f3577b34da6a3ce929d0e0e4736",
+        "{line}"
+    );
+    assert_eq!(line["grpc_code"], 0, "{line}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_http_layer_passes_the_requests_traceparent_on_to_the_server() {
+    let db = TestDb::new().await;
+    let mut server = server(&db).await;
+    let app = PaymentsApp::start(
+        client_of(&server),
+        HttpConfig::new("shop"),
+        Duration::from_millis(10),
+    )
+    .await;
+    let http = idempotency_tests::http_app::HttpClient::new(app.addr);
+
+    let sent = "00-c0ffee0000000000000000000000c0de-1234567890abcdef-01";
+    let answer = http
+        .post_with(
+            "/payments",
+            Some(&unique_key("http-traced")),
+            "alice",
+            r#"{"amount":1000}"#,
+            &[("traceparent", sent)],
+        )
+        .await;
+    assert_eq!(answer.status, 201, "{answer:?}");
+
+    let acquired = call_line(&mut server, "Acquire", "c0ffee0000000000000000000000c0de").await;
+    assert_eq!(
+        acquired["span"]["parent_span_id"], "1234567890abcdef",
+        "{acquired}"
+    );
+    assert_eq!(acquired["span"]["namespace"], "shop", "{acquired}");
+    call_line(&mut server, "Complete", "c0ffee0000000000000000000000c0de").await;
+}
