@@ -66,8 +66,12 @@ mod tls;
 mod transport;
 mod types;
 
+#[cfg(feature = "grpc")]
+pub mod grpc;
 #[cfg(feature = "http")]
 pub mod http;
+#[cfg(any(feature = "http", feature = "grpc"))]
+mod middleware;
 
 pub use batching::Batching;
 pub use client::{Client, ClientBuilder, ClientOptions, RetryPolicy};
