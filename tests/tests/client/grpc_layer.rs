@@ -179,8 +179,8 @@ async fn unavailable_from_the_handler_releases_the_key_and_invalid_argument_is_s
         assert!(status.metadata().get("idempotent-replayed").is_none());
     }
     assert_eq!(app.ledger.attempts(), 2, "released: the next attempt ran");
-    let id = record(&retried, "erin");
-    assert_eq!(client_of(&server).get(&id).await.unwrap(), None);
+    let released = client_of(&server).get(&record(&retried, "erin")).await.unwrap();
+    assert_eq!(released.unwrap().state, RecordState::Released);
 
     let first = payments
         .charge(keyed(charge(0, "EUR"), Some(&refused), "erin"))
