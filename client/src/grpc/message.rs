@@ -84,3 +84,172 @@ pub(crate) fn fingerprint(
     let excluded: Vec<&str> = excluded.iter().map(String::as_str).collect();
     fingerprint::json(&json, &excluded).map_err(|error| Unreadable::Decode(error.to_string()))
 }
+
+/// A descriptor set made by hand for the unit tests: package `t`, message
+/// `Req { int64 amount = 1; map<string, string> meta = 2; repeated int32 ids = 3; }`,
+/// service `S { rpc Do(Req) returns (Req); rpc Watch(Req) returns (stream Req); }`.
+#[cfg(test)]
+pub(crate) fn test_descriptor_set() -> Vec<u8> {
+    use prost::Message;
+    use prost_types::{
+        DescriptorProto, FieldDescriptorProto, FileDescriptorProto, FileDescriptorSet,
+        MessageOptions, MethodDescriptorProto, ServiceDescriptorProto,
+        field_descriptor_proto::{Label, Type},
+    };
+    let field = |name: &str, number, label: Label, kind: Type, type_name: Option<&str>| {
+        FieldDescriptorProto {
+            name: Some(name.into()),
+            number: Some(number),
+            label: Some(label.into()),
+            r#type: Some(kind.into()),
+            type_name: type_name.map(Into::into),
+            json_name: Some(name.into()),
+            ..Default::default()
+        }
+    };
+    let entry = DescriptorProto {
+        name: Some("MetaEntry".into()),
+        field: vec![
+            field("key", 1, Label::Optional, Type::String, None),
+            field("value", 2, Label::Optional, Type::String, None),
+        ],
+        options: Some(MessageOptions {
+            map_entry: Some(true),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let request = DescriptorProto {
+        name: Some("Req".into()),
+        field: vec![
+            field("amount", 1, Label::Optional, Type::Int64, None),
+            field("meta", 2, Label::Repeated, Type::Message, Some(".t.Req.MetaEntry")),
+            field("ids", 3, Label::Repeated, Type::Int32, None),
+        ],
+        nested_type: vec![entry],
+        ..Default::default()
+    };
+    let method = |name: &str, streaming: bool| MethodDescriptorProto {
+        name: Some(name.into()),
+        input_type: Some(".t.Req".into()),
+        output_type: Some(".t.Req".into()),
+        server_streaming: Some(streaming),
+        ..Default::default()
+    };
+    let file = FileDescriptorProto {
+        name: Some("t.proto".into()),
+        package: Some("t".into()),
+        syntax: Some("proto3".into()),
+        message_type: vec![request],
+        service: vec![ServiceDescriptorProto {
+            name: Some("S".into()),
+            method: vec![method("Do", false), method("Watch", true)],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    FileDescriptorSet { file: vec![file] }.encode_to_vec()
+}
+
+#[cfg(test)]
+mod tests {
+    use prost::encoding::{WireType, encode_key, encode_varint};
+
+    use super::*;
+
+    fn methods() -> Methods {
+        Methods::unary_of(&DescriptorPool::decode(test_descriptor_set().as_slice()).unwrap())
+    }
+
+    fn varint(number: u32, value: u64, out: &mut Vec<u8>) {
+        encode_key(number, WireType::Varint, out);
+        encode_varint(value, out);
+    }
+
+    fn delimited(number: u32, bytes: &[u8], out: &mut Vec<u8>) {
+        encode_key(number, WireType::LengthDelimited, out);
+        encode_varint(bytes.len() as u64, out);
+        out.extend_from_slice(bytes);
+    }
+
+    fn meta(key: &str, value: &str, out: &mut Vec<u8>) {
+        let mut entry = Vec::new();
+        delimited(1, key.as_bytes(), &mut entry);
+        delimited(2, value.as_bytes(), &mut entry);
+        delimited(2, &entry, out);
+    }
+
+    fn fingerprint_of(message: Vec<u8>, excluded: &[String]) -> Vec<u8> {
+        let methods = methods();
+        let input = methods.input_of("/t.S/Do").unwrap();
+        fingerprint(input, message.into(), excluded).unwrap()
+    }
+
+    #[test]
+    fn only_unary_methods_are_covered() {
+        let methods = methods();
+        assert_eq!(methods.input_of("/t.S/Do").unwrap().full_name(), "t.Req");
+        assert!(methods.input_of("/t.S/Watch").is_none(), "server-streaming");
+        assert!(methods.input_of("/t.S/Other").is_none());
+    }
+
+    #[test]
+    fn the_fingerprint_is_the_canonical_proto3_json_of_the_message() {
+        let mut message = Vec::new();
+        varint(1, 5, &mut message);
+        meta("b", "2", &mut message);
+        meta("a", "1", &mut message);
+        delimited(3, &[7, 8], &mut message);
+        // {"amount":"5","ids":[7,8],"meta":{"a":"1","b":"2"}}: the rule spelled out.
+        let canonical = r#"{"amount":"5","ids":[7,8],"meta":{"a":"1","b":"2"}}"#;
+        let expected = crate::fingerprint::bytes(canonical.as_bytes());
+        assert_eq!(fingerprint_of(message.clone(), &[]), expected);
+
+        // Out of order, unpacked, map entries swapped, an unknown field.
+        let mut rewritten = Vec::new();
+        varint(3, 7, &mut rewritten);
+        meta("a", "1", &mut rewritten);
+        varint(99, 1, &mut rewritten);
+        meta("b", "2", &mut rewritten);
+        varint(3, 8, &mut rewritten);
+        varint(1, 5, &mut rewritten);
+        assert_eq!(fingerprint_of(rewritten, &[]), expected);
+
+        // Another value differs; an excluded one does not.
+        let mut other = message.clone();
+        meta("a", "9", &mut other);
+        assert_ne!(fingerprint_of(other.clone(), &[]), expected);
+        assert_eq!(
+            fingerprint_of(other, &["/meta/a".to_owned()]),
+            fingerprint_of(message, &["/meta/a".to_owned()])
+        );
+    }
+
+    #[test]
+    fn a_body_must_be_one_uncompressed_message() {
+        let framed = |flag: u8, length: u32, message: &[u8]| {
+            let mut body = vec![flag];
+            body.extend(length.to_be_bytes());
+            body.extend(message);
+            Bytes::from(body)
+        };
+        assert_eq!(unframe(&framed(0, 2, b"\x08\x05")).unwrap(), &b"\x08\x05"[..]);
+        assert_eq!(unframe(&framed(0, 0, b"")).unwrap(), &b""[..]);
+        assert_eq!(unframe(&framed(1, 2, b"xx")), Err(Unreadable::Compressed));
+        for broken in [
+            framed(0, 3, b"\x08\x05"),
+            framed(0, 1, b"\x08\x05"),
+            framed(2, 2, b"\x08\x05"),
+            Bytes::from_static(b"\0\0\0"),
+            Bytes::new(),
+        ] {
+            assert_eq!(unframe(&broken), Err(Unreadable::Framing), "{broken:?}");
+        }
+        let methods = methods();
+        let input = methods.input_of("/t.S/Do").unwrap();
+        assert!(matches!(
+            fingerprint(input, Bytes::from_static(b"\x0a\x05"), &[]),
+            Err(Unreadable::Decode(_))
+        ));
+    }
+}

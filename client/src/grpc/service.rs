@@ -419,3 +419,53 @@ impl<B: Body<Data = Bytes>> Body for Watched<B> {
         self.body.size_hint()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::testing::{FORBIDDEN_NAMESPACE, FakeService};
+
+    #[test]
+    fn an_operation_is_printable_ascii_the_service_accepts() {
+        assert_eq!(operation("/t.S/Do"), "/t.S/Do");
+        let long = format!("/t.S/{}", "a".repeat(130));
+        assert!(operation(&long).len() <= 128);
+        assert_ne!(operation(&long), operation(&format!("{long}b")));
+    }
+
+    #[tokio::test]
+    async fn a_refused_namespace_answers_internal_and_never_runs_the_handler_even_failing_open() {
+        let service = FakeService::plain().await;
+        let client = Client::builder()
+            .endpoint(format!("http://{}", service.addr))
+            .connect_lazy()
+            .unwrap();
+        let ran = Arc::new(AtomicUsize::new(0));
+        let handler = tower::service_fn({
+            let ran = ran.clone();
+            move |_: Request<TonicBody>| {
+                ran.fetch_add(1, Ordering::Relaxed);
+                async { Ok::<_, std::convert::Infallible>(Response::new(TonicBody::empty())) }
+            }
+        });
+        let config = GrpcConfig::new(FORBIDDEN_NAMESPACE, message::test_descriptor_set())
+            .on_unavailable(OnUnavailable::FailOpen);
+        let layered = GrpcIdempotency::new(handler, client, Arc::new(config));
+        let request = Request::post("/t.S/Do")
+            .header("content-type", "application/grpc")
+            .header("idempotency-key", "refused-0123456789")
+            .body(stored::whole(Bytes::from_static(b"\0\0\0\0\x02\x08\x05"), None))
+            .unwrap();
+
+        let response = tower::ServiceExt::oneshot(layered, request).await.unwrap();
+
+        let status = tonic::Status::from_header_map(response.headers()).unwrap();
+        assert_eq!(status.code(), Code::Internal);
+        let details = tonic_types::StatusExt::get_error_details(&status);
+        assert_eq!(details.error_info().unwrap().reason, reason::NOT_AUTHORIZED);
+        assert_eq!(ran.load(Ordering::Relaxed), 0);
+        assert_eq!(service.seen().len(), 1, "not retried");
+    }
+}
