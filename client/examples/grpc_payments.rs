@@ -49,7 +49,9 @@ struct Args {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt().with_env_filter("info").init();
     let args = Args::parse();
-    let client = Client::builder().endpoint(args.idempotency).connect_lazy()?;
+    let client = Client::builder()
+        .endpoint(args.idempotency)
+        .connect_lazy()?;
     let on_unavailable = if args.fail_open {
         OnUnavailable::FailOpen
     } else {
@@ -62,14 +64,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let user = request.headers.get("x-user-id")?;
             user.to_str().ok().map(str::to_owned)
         });
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(DESCRIPTOR_SET)
-        .build_v1()?;
+    // Both versions: grpcurl and older tools ask v1alpha. With google.rpc's
+    // descriptors, so that grpcurl shows the layer's error details.
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
+    };
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     println!("payments (gRPC) on {}", listener.local_addr()?);
     tonic::transport::Server::builder()
         .layer(GrpcIdempotencyLayer::new(client, config))
-        .add_service(reflection)
+        .add_service(reflection().build_v1()?)
+        .add_service(reflection().build_v1alpha()?)
         .add_service(PaymentsServer::new(Payments::new(args.bank_delay)))
         .serve_with_incoming_shutdown(
             tonic::transport::server::TcpIncoming::from(listener),

@@ -38,15 +38,21 @@ impl GrpcApp {
             });
         let service = payments::Payments::new(bank_delay);
         let ledger = service.ledger.clone();
-        let reflection = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(DESCRIPTOR_SET)
-            .build_v1()
-            .unwrap();
+        let reflection = || {
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
+        };
+        let (reflection_v1, reflection_v1alpha) = (
+            reflection().build_v1().unwrap(),
+            reflection().build_v1alpha().unwrap(),
+        );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let router = tonic::transport::Server::builder()
             .layer(GrpcIdempotencyLayer::new(client, config))
-            .add_service(reflection)
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha)
             .add_service(pb::payments_server::PaymentsServer::new(service));
         let task = tokio::spawn(async move {
             router
@@ -103,9 +109,13 @@ pub async fn call_raw(
     user: &str,
 ) -> Result<(MetadataMap, Bytes), Status> {
     let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready().await.map_err(|e| Status::unavailable(e.to_string()))?;
+    grpc.ready()
+        .await
+        .map_err(|e| Status::unavailable(e.to_string()))?;
     let path = path.parse().unwrap();
-    let response = grpc.unary(keyed(message, key, user), path, RawCodec).await?;
+    let response = grpc
+        .unary(keyed(message, key, user), path, RawCodec)
+        .await?;
     let (metadata, message, _) = response.into_parts();
     Ok((metadata, message))
 }

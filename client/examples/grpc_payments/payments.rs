@@ -46,7 +46,10 @@ impl Ledger {
 
     /// Charges made.
     pub fn charges(&self) -> u32 {
-        let charges = self.charges.lock().unwrap_or_else(|poison| poison.into_inner());
+        let charges = self
+            .charges
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
         u32::try_from(charges.len()).unwrap_or(u32::MAX)
     }
 }
@@ -91,7 +94,11 @@ impl pb::payments_server::Payments for Payments {
             return Err(Status::unavailable("the bank is unavailable; retry"));
         }
         let reply = {
-            let mut charges = self.ledger.charges.lock().unwrap_or_else(|p| p.into_inner());
+            let mut charges = self
+                .ledger
+                .charges
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             let reply = ChargeReply {
                 payment_id: format!("pay_{}", charges.len() + 1),
                 amount: charge.amount,
@@ -108,10 +115,7 @@ impl pb::payments_server::Payments for Payments {
         Ok(response)
     }
 
-    async fn charges(
-        &self,
-        _: Request<ChargesRequest>,
-    ) -> Result<Response<ChargesReply>, Status> {
+    async fn charges(&self, _: Request<ChargesRequest>) -> Result<Response<ChargesReply>, Status> {
         Ok(Response::new(ChargesReply {
             attempts: self.ledger.attempts(),
             charges: self.ledger.charges(),
@@ -121,7 +125,11 @@ impl pb::payments_server::Payments for Payments {
     type WatchStream = tokio_stream::Iter<std::vec::IntoIter<Result<ChargeReply, Status>>>;
 
     async fn watch(&self, _: Request<WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
-        let charges = self.ledger.charges.lock().unwrap_or_else(|p| p.into_inner());
+        let charges = self
+            .ledger
+            .charges
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let replies: Vec<_> = charges.iter().cloned().map(Ok).collect();
         Ok(Response::new(tokio_stream::iter(replies)))
     }

@@ -232,7 +232,10 @@ mod tests {
         }
         let config = GrpcConfig::new("payments", []).store_when(|code| code == Code::Ok);
         assert!((config.store)(Code::Ok));
-        assert!(!(config.store)(Code::InvalidArgument), "a rule of one's own");
+        assert!(
+            !(config.store)(Code::InvalidArgument),
+            "a rule of one's own"
+        );
     }
 
     #[test]

@@ -80,7 +80,8 @@ pub(crate) fn fingerprint(
         .map_err(|error| Unreadable::Decode(error.to_string()))?;
     // Default options: the standard proto3 JSON mapping (json_name keys,
     // defaults omitted, 64-bit integers as strings, enums by name).
-    let json = serde_json::to_value(&message).map_err(|error| Unreadable::Decode(error.to_string()))?;
+    let json =
+        serde_json::to_value(&message).map_err(|error| Unreadable::Decode(error.to_string()))?;
     let excluded: Vec<&str> = excluded.iter().map(String::as_str).collect();
     fingerprint::json(&json, &excluded).map_err(|error| Unreadable::Decode(error.to_string()))
 }
@@ -123,7 +124,13 @@ pub(crate) fn test_descriptor_set() -> Vec<u8> {
         name: Some("Req".into()),
         field: vec![
             field("amount", 1, Label::Optional, Type::Int64, None),
-            field("meta", 2, Label::Repeated, Type::Message, Some(".t.Req.MetaEntry")),
+            field(
+                "meta",
+                2,
+                Label::Repeated,
+                Type::Message,
+                Some(".t.Req.MetaEntry"),
+            ),
             field("ids", 3, Label::Repeated, Type::Int32, None),
         ],
         nested_type: vec![entry],
@@ -233,7 +240,10 @@ mod tests {
             body.extend(message);
             Bytes::from(body)
         };
-        assert_eq!(unframe(&framed(0, 2, b"\x08\x05")).unwrap(), &b"\x08\x05"[..]);
+        assert_eq!(
+            unframe(&framed(0, 2, b"\x08\x05")).unwrap(),
+            &b"\x08\x05"[..]
+        );
         assert_eq!(unframe(&framed(0, 0, b"")).unwrap(), &b""[..]);
         assert_eq!(unframe(&framed(1, 2, b"xx")), Err(Unreadable::Compressed));
         for broken in [

@@ -137,7 +137,11 @@ where
 /// the descriptor pool, in gRPC's protobuf encoding (`application/grpc` or
 /// `application/grpc+proto`; not gRPC-Web, not JSON).
 fn covered<B>(request: &Request<B>, config: &GrpcConfig) -> Option<MessageDescriptor> {
-    let content_type = request.headers().get(http::header::CONTENT_TYPE)?.to_str().ok()?;
+    let content_type = request
+        .headers()
+        .get(http::header::CONTENT_TYPE)?
+        .to_str()
+        .ok()?;
     let mime = content_type.split(';').next()?.trim();
     let grpc = mime.eq_ignore_ascii_case("application/grpc")
         || mime.eq_ignore_ascii_case("application/grpc+proto");
@@ -456,7 +460,10 @@ mod tests {
         let request = Request::post("/t.S/Do")
             .header("content-type", "application/grpc")
             .header("idempotency-key", "refused-0123456789")
-            .body(stored::whole(Bytes::from_static(b"\0\0\0\0\x02\x08\x05"), None))
+            .body(stored::whole(
+                Bytes::from_static(b"\0\0\0\0\x02\x08\x05"),
+                None,
+            ))
             .unwrap();
 
         let response = tower::ServiceExt::oneshot(layered, request).await.unwrap();

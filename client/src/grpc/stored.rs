@@ -23,7 +23,7 @@ use std::{
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
-use http_body::{Body, Frame, SizeHint};
+use http_body::{Body, Frame};
 use tonic::Code;
 
 use super::IDEMPOTENT_REPLAYED;
@@ -155,9 +155,8 @@ impl Body for Whole {
         self.data.is_none() && self.trailers.is_none()
     }
 
-    fn size_hint(&self) -> SizeHint {
-        SizeHint::with_exact(self.data.as_ref().map_or(0, |data| data.len() as u64))
-    }
+    // No exact size hint: it would add a `content-length`, which gRPC
+    // responses (and tonic's own) do not carry.
 }
 
 #[cfg(test)]
@@ -246,6 +245,9 @@ mod tests {
         assert_eq!(code_of(&ok, Some(&unavailable)), Code::Unavailable);
         assert_eq!(code_of(&ok, None), Code::Ok);
         assert_eq!(code_of(&HeaderMap::new(), None), Code::Unknown);
-        assert_eq!(code_of(&HeaderMap::new(), Some(&HeaderMap::new())), Code::Unknown);
+        assert_eq!(
+            code_of(&HeaderMap::new(), Some(&HeaderMap::new())),
+            Code::Unknown
+        );
     }
 }

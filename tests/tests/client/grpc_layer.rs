@@ -19,7 +19,7 @@ use prost::{
 };
 use tokio_stream::StreamExt;
 use tonic::{Code, Status};
-use tonic_reflection::pb::v1::{
+use tonic_reflection::pb::v1alpha::{
     ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
     server_reflection_request::MessageRequest,
 };
@@ -99,7 +99,10 @@ async fn sixty_four_concurrent_duplicates_run_the_handler_once_and_all_get_its_r
     }
 
     assert_eq!(app.ledger.attempts(), 1, "the handler ran once");
-    assert!(replies.iter().all(|reply| *reply == replies[0]), "{replies:?}");
+    assert!(
+        replies.iter().all(|reply| *reply == replies[0]),
+        "{replies:?}"
+    );
     assert_eq!(replies[0].payment_id, "pay_1");
     assert!(aborted >= 63, "the duplicates were told to wait: {aborted}");
 }
@@ -179,7 +182,10 @@ async fn unavailable_from_the_handler_releases_the_key_and_invalid_argument_is_s
         assert!(status.metadata().get("idempotent-replayed").is_none());
     }
     assert_eq!(app.ledger.attempts(), 2, "released: the next attempt ran");
-    let released = client_of(&server).get(&record(&retried, "erin")).await.unwrap();
+    let released = client_of(&server)
+        .get(&record(&retried, "erin"))
+        .await
+        .unwrap();
     assert_eq!(released.unwrap().state, RecordState::Released);
 
     let first = payments
@@ -198,7 +204,11 @@ async fn unavailable_from_the_handler_releases_the_key_and_invalid_argument_is_s
         replayed.metadata().get("idempotent-replayed").unwrap(),
         "true"
     );
-    assert_eq!(app.ledger.attempts(), 3, "stored: the handler did not run again");
+    assert_eq!(
+        app.ledger.attempts(),
+        3,
+        "stored: the handler did not run again"
+    );
 }
 
 #[tokio::test]
@@ -270,7 +280,7 @@ async fn streaming_and_unknown_methods_pass_through_untouched() {
     .await
     .unwrap_err();
     assert_eq!(unknown.code(), Code::Unimplemented, "{unknown:?}");
-    // Reflection, a service outside the descriptor set, as `grpcurl list` uses it.
+    // Reflection (v1alpha, as `grpcurl list` asks it), a service outside the descriptor set.
     let mut reflection = ServerReflectionClient::new(app.channel().await);
     let list = ServerReflectionRequest {
         host: String::new(),
@@ -284,7 +294,11 @@ async fn streaming_and_unknown_methods_pass_through_untouched() {
     let listed = format!("{:?}", answers.next().await.unwrap().unwrap());
     assert!(listed.contains("payments.v1.Payments"), "{listed}");
 
-    let stored = client_of(&server).get(&record(&key, "gina")).await.unwrap().unwrap();
+    let stored = client_of(&server)
+        .get(&record(&key, "gina"))
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(stored.state, RecordState::Completed);
     let other = RecordId::new("shop", "/payments.v1.Payments/Watch", key).with_subject("gina");
     assert_eq!(client_of(&server).get(&other).await.unwrap(), None);
@@ -352,10 +366,15 @@ async fn two_encodings_of_one_message_share_a_fingerprint_and_another_message_do
     let (_, reply) = call_raw(app.channel().await, CHARGE, first.into(), Some(&key), "hal")
         .await
         .unwrap();
-    let (metadata, replayed) =
-        call_raw(app.channel().await, CHARGE, second.into(), Some(&key), "hal")
-            .await
-            .unwrap();
+    let (metadata, replayed) = call_raw(
+        app.channel().await,
+        CHARGE,
+        second.into(),
+        Some(&key),
+        "hal",
+    )
+    .await
+    .unwrap();
 
     assert_eq!(metadata.get("idempotent-replayed").unwrap(), "true");
     assert_eq!(replayed, reply);
@@ -428,7 +447,12 @@ async fn the_handler_keeps_running_when_the_caller_hangs_up_and_its_reply_is_sto
         .unwrap_err();
     assert_eq!(retry.code(), Code::Aborted, "{retry:?}");
 
-    wait_for_state(&client_of(&server), &record(&key, "jo"), RecordState::Completed).await;
+    wait_for_state(
+        &client_of(&server),
+        &record(&key, "jo"),
+        RecordState::Completed,
+    )
+    .await;
     let later = payments
         .charge(keyed(charge(42, "EUR"), Some(&key), "jo"))
         .await
@@ -442,7 +466,10 @@ async fn the_handler_keeps_running_when_the_caller_hangs_up_and_its_reply_is_sto
 #[test]
 fn generated_code_of_the_example_is_up_to_date() {
     let out = env!("OUT_DIR");
-    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../client/examples/grpc_payments");
+    let example = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../client/examples/grpc_payments"
+    );
     for file in ["payments.v1.rs", "payments_descriptor.bin"] {
         let generated = std::fs::read(format!("{out}/{file}")).unwrap();
         let committed = std::fs::read(format!("{example}/{file}")).unwrap();
