@@ -439,6 +439,122 @@ mod tests {
         assert_ne!(operation(&long), operation(&format!("{long}b")));
     }
 
+    /// The layer in front of a handler that counts its runs, keeping its
+    /// keys at an address where nothing listens (failing closed).
+    fn layered_handler_without_a_service(
+        config: GrpcConfig,
+    ) -> (
+        impl Service<
+            Request<TonicBody>,
+            Response = Response<TonicBody>,
+            Error = std::convert::Infallible,
+        >,
+        Arc<AtomicUsize>,
+    ) {
+        let client = Client::builder()
+            .endpoint("http://127.0.0.1:9")
+            .connect_lazy()
+            .unwrap();
+        let ran = Arc::new(AtomicUsize::new(0));
+        let handler = tower::service_fn({
+            let ran = ran.clone();
+            move |_: Request<TonicBody>| {
+                ran.fetch_add(1, Ordering::Relaxed);
+                async { Ok::<_, std::convert::Infallible>(Response::new(TonicBody::empty())) }
+            }
+        });
+        (GrpcIdempotency::new(handler, client, Arc::new(config)), ran)
+    }
+
+    fn call(content_type: &str, body: &'static [u8]) -> Request<TonicBody> {
+        Request::post("/t.S/Do")
+            .header("content-type", content_type)
+            .header("idempotency-key", "local-0123456789")
+            .body(stored::whole(Bytes::from_static(body), None))
+            .unwrap()
+    }
+
+    async fn answer_to(
+        config: GrpcConfig,
+        request: Request<TonicBody>,
+    ) -> (Option<Code>, String, usize) {
+        let (layered, ran) = layered_handler_without_a_service(config);
+        let response = tower::ServiceExt::oneshot(layered, request).await.unwrap();
+        let status = tonic::Status::from_header_map(response.headers());
+        let reason = status.as_ref().map_or_else(String::new, |status| {
+            let details = tonic_types::StatusExt::get_error_details(status);
+            details
+                .error_info()
+                .map_or_else(String::new, |info| info.reason.clone())
+        });
+        (
+            status.map(|s| s.code()),
+            reason,
+            ran.load(Ordering::Relaxed),
+        )
+    }
+
+    #[tokio::test]
+    async fn unreadable_calls_are_answered_before_the_key_is_taken_and_never_run() {
+        let config = || GrpcConfig::new("shop", message::test_descriptor_set());
+        let cases: [(GrpcConfig, &'static [u8], Code, &str); 4] = [
+            (
+                config(),
+                b"\x01\0\0\0\x02\x08\x05",
+                Code::Unimplemented,
+                reason::COMPRESSED,
+            ),
+            (
+                config(),
+                b"\0\0\0\0\x09\x08\x05",
+                Code::InvalidArgument,
+                reason::UNDECODABLE,
+            ),
+            (
+                config(),
+                b"\0\0\0\0\x02\x0a\x05",
+                Code::InvalidArgument,
+                reason::UNDECODABLE,
+            ),
+            (
+                config().max_request_bytes(6),
+                b"\0\0\0\0\x02\x08\x05",
+                Code::ResourceExhausted,
+                reason::TOO_LARGE,
+            ),
+        ];
+        for (config, body, code, why) in cases {
+            let (answered, reason, ran) = answer_to(config, call("application/grpc", body)).await;
+            assert_eq!(
+                (answered, reason.as_str(), ran),
+                (Some(code), why, 0),
+                "{body:?}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn grpc_web_and_json_pass_through_untouched() {
+        for content_type in [
+            "application/grpc-web",
+            "application/grpc+json",
+            "application/json",
+        ] {
+            let config = GrpcConfig::new("shop", message::test_descriptor_set());
+            let request = call(content_type, b"\0\0\0\0\x02\x08\x05");
+            let (answered, _, ran) = answer_to(config, request).await;
+            // The handler ran, though the idempotency service is unreachable and failing closed.
+            assert_eq!((answered, ran), (None, 1), "{content_type}");
+        }
+        let config = GrpcConfig::new("shop", message::test_descriptor_set());
+        let request = call("application/grpc+proto", b"\0\0\0\0\x02\x08\x05");
+        let (answered, reason, ran) = answer_to(config, request).await;
+        assert_eq!(
+            (answered, reason.as_str(), ran),
+            (Some(Code::Unavailable), reason::UNAVAILABLE, 0)
+        );
+    }
+
     #[tokio::test]
     async fn a_refused_namespace_answers_internal_and_never_runs_the_handler_even_failing_open() {
         let service = FakeService::plain().await;

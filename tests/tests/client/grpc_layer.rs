@@ -463,6 +463,60 @@ async fn the_handler_keeps_running_when_the_caller_hangs_up_and_its_reply_is_sto
     assert_eq!(app.ledger.attempts(), 1);
 }
 
+#[tokio::test]
+async fn a_reply_too_large_to_store_is_answered_once_and_retries_get_a_stored_internal() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let app = app(&server, config().max_stored_bytes(8), Duration::ZERO).await;
+    let mut payments = app.client().await;
+    let key = unique_key("large");
+
+    let first = payments
+        .charge(keyed(charge(1000, "EUR"), Some(&key), "kim"))
+        .await
+        .unwrap();
+    wait_for_state(
+        &client_of(&server),
+        &record(&key, "kim"),
+        RecordState::Failed,
+    )
+    .await;
+    let retry = payments
+        .charge(keyed(charge(1000, "EUR"), Some(&key), "kim"))
+        .await
+        .unwrap_err();
+
+    assert_eq!(
+        first.get_ref().payment_id,
+        "pay_1",
+        "the caller got the whole reply"
+    );
+    assert_eq!(retry.code(), Code::Internal, "{retry:?}");
+    assert_eq!(error_info(&retry).1, reason::NOT_REPLAYABLE);
+    assert_eq!(retry.metadata().get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(app.ledger.attempts(), 1, "the handler did not run again");
+}
+
+#[tokio::test]
+async fn a_request_over_the_limit_is_resource_exhausted_and_never_runs() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let app = app(&server, config().max_request_bytes(32), Duration::ZERO).await;
+    let mut request = charge(1000, "EUR");
+    request.metadata.insert("note".into(), "x".repeat(64));
+
+    let status = app
+        .client()
+        .await
+        .charge(keyed(request, Some(&unique_key("big")), "lee"))
+        .await
+        .unwrap_err();
+
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert_eq!(error_info(&status).1, reason::TOO_LARGE);
+    assert_eq!(app.ledger.attempts(), 0);
+}
+
 #[test]
 fn generated_code_of_the_example_is_up_to_date() {
     let out = env!("OUT_DIR");
