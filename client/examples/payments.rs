@@ -38,7 +38,11 @@ use idempotency_client::{
 #[derive(Debug, Parser)]
 struct Args {
     /// The idempotency service.
-    #[arg(long, env = "IDEMPOTENCY_ENDPOINT", default_value = "http://127.0.0.1:50051")]
+    #[arg(
+        long,
+        env = "IDEMPOTENCY_ENDPOINT",
+        default_value = "http://127.0.0.1:50051"
+    )]
     idempotency: String,
     /// Where this example listens.
     #[arg(long, env = "PAYMENTS_LISTEN", default_value = "127.0.0.1:3000")]

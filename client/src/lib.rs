@@ -69,8 +69,12 @@ pub mod trace;
 mod transport;
 mod types;
 
+#[cfg(feature = "grpc")]
+pub mod grpc;
 #[cfg(feature = "http")]
 pub mod http;
+#[cfg(any(feature = "http", feature = "grpc"))]
+mod middleware;
 
 pub use batching::Batching;
 pub use client::{Client, ClientBuilder, ClientOptions, RetryPolicy};

@@ -4,6 +4,7 @@
 //! `TEST_LOG=1` prints the server's log in the test's output.
 
 mod database;
+pub mod grpc_app;
 pub mod http_app;
 pub mod process;
 mod proxy;

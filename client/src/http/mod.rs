@@ -86,10 +86,12 @@
 
 mod body;
 mod config;
-mod key;
 mod layer;
 mod problem;
 mod service;
+
+// Shared with the gRPC layer.
+use crate::middleware::key;
 
 pub use body::{BoxError, RequestBody, ResponseBody};
 pub use config::HttpConfig;

@@ -20,6 +20,7 @@ use super::{
 use crate::{
     AcquireRequest, Acquisition, Client, Error, Lease, OnUnavailable, RecordId, StoredResponse,
     fingerprint,
+    middleware::outcome::{self, Completion, Refusal, release},
 };
 
 /// The service [`super::IdempotencyLayer`] wraps around yours.
@@ -120,16 +121,11 @@ where
     // From here on the work runs in a task of its own, so that it finishes,
     // and its response is stored, even when the client goes away mid-request:
     // the client's retry then gets 409 and later the stored answer, and the
-    // handler runs once. (Dropped mid-Acquire instead, the key would stay in
-    // progress until its lease passed.) A panic in the handler drops the
-    // lease, which releases the key, and is passed on to the caller.
+    // handler runs once (see `outcome::detached`).
     let work = acquire_and_execute(inner, client, config.clone(), acquire, request);
-    match tokio::spawn(crate::trace::within(crate::trace::current(), work)).await {
-        Ok(result) => result,
-        Err(join_error) if join_error.is_panic() => {
-            std::panic::resume_unwind(join_error.into_panic())
-        }
-        Err(_) => Ok(config.problems.problem(
+    match outcome::detached(work).await {
+        Some(result) => result,
+        None => Ok(config.problems.problem(
             StatusCode::INTERNAL_SERVER_ERROR,
             "handler-cancelled",
             "the handler was cancelled",
@@ -225,33 +221,21 @@ where
 
 /// The answer when the service refused Acquire (it was reachable).
 fn refused(id: &RecordId, error: Error, config: &HttpConfig) -> Response<ResponseBody> {
-    match error {
-        // The service refused this service's credentials, or its use of the
-        // namespace: a deployment's mistake, not an outage, so never run the
-        // handler unprotected, even failing open. Nothing ran and nothing
-        // was stored, so the end client may retry with the same key.
-        error @ (Error::Unauthenticated { .. } | Error::PermissionDenied { .. }) => {
-            tracing::error!(%error, namespace = %id.namespace,
-                "the idempotency service refused this service: answering 500");
-            config.problems.not_authorized()
-        }
+    // Credentials or namespace refused: never run the handler, even failing
+    // open (see `outcome::Refusal`).
+    match outcome::refusal(id, error) {
+        Refusal::NotAuthorized => config.problems.not_authorized(),
         // The scope comes from the request (e.g. a subject too long): the client's fault.
-        Error::InvalidArgument {
-            field: Some(field),
-            message,
-        } if field.starts_with("id.") => config.problems.problem(
+        Refusal::InvalidScope(message) => config.problems.problem(
             StatusCode::BAD_REQUEST,
             "invalid-idempotency-scope",
             &message,
         ),
-        error => {
-            tracing::error!(%error, "idempotency service refused Acquire");
-            config.problems.problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "idempotency-error",
-                "the idempotency service failed",
-            )
-        }
+        Refusal::Failed => config.problems.problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "idempotency-error",
+            "the idempotency service failed",
+        ),
     }
 }
 
@@ -328,21 +312,10 @@ async fn store_or_release(
     if stored.size() > config.max_stored_bytes {
         return store_unreplayable(lease, config).await;
     }
-    match lease.complete(&stored).await {
-        Ok(()) => {}
-        Err(Error::LeaseLost) => tracing::error!(
-            key = %lease.id().key,
-            "lease lost before the response was stored: the handler may have run twice"
-        ),
-        // The service's own limit is lower than ours, or the
-        // message is over its transport limit.
-        Err(error) if error.is_refusal() => {
-            store_unreplayable(lease, config).await;
-        }
-        // The lease stays until it passes: releasing would run the handler again.
-        Err(error) => {
-            tracing::warn!(%error, key = %lease.id().key, "response not stored")
-        }
+    // The service's own limit is lower than ours, or the message is over its
+    // transport limit.
+    if outcome::complete(lease, &stored).await == Completion::Refused {
+        store_unreplayable(lease, config).await;
     }
 }
 
@@ -371,12 +344,6 @@ async fn store_unreplayable(lease: &mut Lease, config: &HttpConfig) {
     }
     if let Err(error) = lease.fail(&error).await {
         tracing::warn!(%error, key = %lease.id().key, "could not store the failure");
-    }
-}
-
-async fn release(lease: &mut Lease) {
-    if let Err(error) = lease.release().await {
-        tracing::warn!(%error, key = %lease.id().key, "could not release the key");
     }
 }
 

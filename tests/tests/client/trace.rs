@@ -1,7 +1,8 @@
 //! Trace context end to end: the real `idempotencyd` binary with JSON logs
 //! and `--log-calls`; the trace id a caller sends (`traceparent`) is found
 //! in the server's line for that call, through the Rust client
-//! (`trace::scope`), raw gRPC metadata and the HTTP layer; a call without
+//! (`trace::scope`), raw gRPC metadata, the HTTP layer and the gRPC layer;
+//! a call without
 //! one, or with an invalid one, gets a new trace id and succeeds.
 
 use std::time::Duration;
@@ -199,4 +200,39 @@ async fn the_http_layer_passes_the_requests_traceparent_on_to_the_server() {
     );
     assert_eq!(acquired["span"]["namespace"], "shop", "{acquired}");
     call_line(&mut server, "Complete", "c0ffee0000000000000000000000c0de").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_grpc_layer_passes_the_calls_traceparent_on_to_the_server() {
+    use idempotency_client::grpc::GrpcConfig;
+    use idempotency_tests::grpc_app::{DESCRIPTOR_SET, GrpcApp, keyed, pb};
+
+    let db = TestDb::new().await;
+    let mut server = server(&db).await;
+    let app = GrpcApp::start(
+        client_of(&server),
+        GrpcConfig::new("shop", DESCRIPTOR_SET),
+        Duration::from_millis(10),
+    )
+    .await;
+
+    let sent = "00-beef0000000000000000000000000bee-fedcba0987654321-01";
+    let charge = pb::ChargeRequest {
+        amount: 1000,
+        currency: "EUR".into(),
+        ..Default::default()
+    };
+    let mut request = keyed(charge, Some(&unique_key("grpc-traced")), "alice");
+    request
+        .metadata_mut()
+        .insert("traceparent", sent.parse().unwrap());
+    app.client().await.charge(request).await.unwrap();
+
+    let acquired = call_line(&mut server, "Acquire", "beef0000000000000000000000000bee").await;
+    assert_eq!(
+        acquired["span"]["parent_span_id"], "fedcba0987654321",
+        "{acquired}"
+    );
+    assert_eq!(acquired["span"]["namespace"], "shop", "{acquired}");
+    call_line(&mut server, "Complete", "beef0000000000000000000000000bee").await;
 }

@@ -1,8 +1,10 @@
-//! The `Idempotency-Key` header.
+//! The `Idempotency-Key` header (HTTP) or `idempotency-key` metadata (gRPC,
+//! which travels as the same HTTP/2 header).
 
 use http::HeaderMap;
 
-use super::IDEMPOTENCY_KEY;
+/// The header's name, as HTTP/2 and gRPC metadata spell it.
+const IDEMPOTENCY_KEY: &str = "idempotency-key";
 
 /// What the request says about its key.
 #[derive(Debug, PartialEq, Eq)]
