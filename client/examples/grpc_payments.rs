@@ -31,7 +31,11 @@ use payments::{DESCRIPTOR_SET, Payments, pb::payments_server::PaymentsServer};
 #[derive(Debug, Parser)]
 struct Args {
     /// The idempotency service.
-    #[arg(long, env = "IDEMPOTENCY_ENDPOINT", default_value = "http://127.0.0.1:50051")]
+    #[arg(
+        long,
+        env = "IDEMPOTENCY_ENDPOINT",
+        default_value = "http://127.0.0.1:50051"
+    )]
     idempotency: String,
     /// Where this example listens.
     #[arg(long, env = "GRPC_PAYMENTS_LISTEN", default_value = "127.0.0.1:50052")]
