@@ -130,13 +130,18 @@ impl FakeService {
 
     /// Waits (at most 5 s) until a call to `rpc` was seen.
     pub(crate) async fn wait_for(&self, rpc: &str) {
+        self.wait_for_count(rpc, 1).await;
+    }
+
+    /// Waits (up to 5 s) until at least `count` calls of `rpc` were seen.
+    pub(crate) async fn wait_for_count(&self, rpc: &str, count: usize) {
         for _ in 0..500 {
-            if self.seen().iter().any(|seen| seen.rpc == rpc) {
+            if self.seen().iter().filter(|seen| seen.rpc == rpc).count() >= count {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        panic!("no {rpc} call seen: {:?}", self.seen());
+        panic!("fewer than {count} {rpc} calls seen: {:?}", self.seen());
     }
 
     /// Connections made so far.

@@ -224,18 +224,7 @@ mod tests {
         })
         .await;
         // The 8 dropped leases are released (Fail) from tasks of their own.
-        for _ in 0..500 {
-            if service
-                .seen()
-                .iter()
-                .filter(|call| call.rpc == "Fail")
-                .count()
-                == 8
-            {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        service.wait_for_count("Fail", 8).await;
         let scoped = service.seen();
         for rpc in [
             "Acquire",
