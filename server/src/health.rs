@@ -30,8 +30,14 @@ pub const LIVENESS: &str = "liveness";
 /// table lock that would block calls blocks it (it needs the table's
 /// ACCESS SHARE lock); it reads one index page and writes nothing. Simple
 /// query protocol: one round trip, no statement to prepare.
-const PROBE: &str = "SELECT 1 FROM idempotency_records \
-                     WHERE namespace = '' AND operation = '' AND subject = '' AND key = ''";
+///
+/// It also reads whether the session may write: a standby (an old primary
+/// after a failover, reached through a stale DNS name or a proxy that has
+/// not noticed) answers the lookup but refuses every Acquire, so it counts
+/// as down.
+const PROBE: &str = "SELECT current_setting('transaction_read_only') AS read_only \
+                     FROM (SELECT 1) AS one LEFT JOIN idempotency_records \
+                     ON namespace = '' AND operation = '' AND subject = '' AND key = ''";
 
 /// Sets the overall ("") and the service's status together.
 pub async fn set(reporter: &HealthReporter, status: ServingStatus) {
@@ -233,11 +239,25 @@ pub async fn watch_database(
     .await
 }
 
+/// Why one attempt failed.
+#[derive(Debug, thiserror::Error)]
+enum AttemptError {
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    #[error("the database is read-only (a standby?): writes would fail")]
+    ReadOnly,
+}
+
 /// One attempt: connect, look the absent key up, disconnect.
-async fn attempt(options: Arc<PgConnectOptions>) -> sqlx::Result<()> {
+async fn attempt(options: Arc<PgConnectOptions>) -> Result<(), AttemptError> {
     let mut connection = options.connect().await?;
-    sqlx::raw_sql(PROBE).execute(&mut connection).await?;
-    connection.close().await
+    let row = sqlx::raw_sql(PROBE).fetch_one(&mut connection).await?;
+    let read_only: String = sqlx::Row::try_get(&row, "read_only")?;
+    connection.close().await?;
+    match read_only.as_str() {
+        "off" => Ok(()),
+        _ => Err(AttemptError::ReadOnly),
+    }
 }
 
 /// Publishes a round: the gauges, a log line on a change, the health status.

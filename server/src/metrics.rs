@@ -36,6 +36,7 @@ pub const DB_POOL_WAIT_SECONDS: &str = "idempotency_db_pool_wait_seconds";
 pub const DB_BATCH_SIZE: &str = "idempotency_db_batch_size";
 pub const DB_CALLS_ALONE_TOTAL: &str = "idempotency_db_calls_alone_total";
 pub const DB_CONNECTIONS_ABANDONED_TOTAL: &str = "idempotency_db_connections_abandoned_total";
+pub const DB_CONNECTIONS_READ_ONLY_TOTAL: &str = "idempotency_db_connections_read_only_total";
 pub const DATABASE_UP: &str = "idempotency_database_up";
 pub const DATABASE_PROBE_DURATION_SECONDS: &str = "idempotency_database_probe_duration_seconds";
 pub const DATABASE_PROBES_TOTAL: &str = "idempotency_database_probes_total";
@@ -170,6 +171,12 @@ fn describe_database() {
         "Database connections closed because a statement on them did not end: no answer within \
          the statement timeout plus a second (a frozen database), or its caller went away."
     );
+    describe_counter!(
+        DB_CONNECTIONS_READ_ONLY_TOTAL,
+        "Database connections closed because the server behind them refused a write as \
+         read-only (SQLSTATE 25006): a standby, e.g. an old primary after a failover. The next \
+         call connects anew."
+    );
     describe_gauge!(
         DATABASE_UP,
         "1 when the last health probe got an answer from the database (SERVING), else 0."
@@ -301,6 +308,7 @@ pub fn register_at_zero(_installed: &MetricsRecorder) {
         zero(metrics::counter!(DB_CALLS_ALONE_TOTAL, "query" => query));
     }
     zero(metrics::counter!(DB_CONNECTIONS_ABANDONED_TOTAL));
+    zero(metrics::counter!(DB_CONNECTIONS_READ_ONLY_TOTAL));
     for result in ["success", "timeout", "error"] {
         zero(metrics::counter!(DATABASE_PROBES_TOTAL, "result" => result));
     }

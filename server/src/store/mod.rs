@@ -275,6 +275,7 @@ impl Db {
         Ok(Connection {
             inner: Some(connection?),
             in_statement: false,
+            read_only: false,
             bound: self.bound,
         })
     }
@@ -334,11 +335,20 @@ pub const STATEMENT_MARGIN: Duration = Duration::from_secs(1);
 /// sqlx gives a dropped connection back to the pool only after a ping that
 /// waits for the unfinished statement's answer, holding a pool slot for as
 /// long as the database is frozen, and then hands it to the next caller.
+///
+/// It is closed too when a statement on it was refused as a write in a
+/// read-only session (25006): after a failover the connection may reach a
+/// server that is now a standby (an old primary that came back, a DNS name
+/// that still resolved to it). Given back to the pool it would refuse every
+/// write until it idled out; closed, the next call opens a connection to
+/// wherever the database URL leads now, normally the new primary.
 pub(crate) struct Connection {
     /// `None` only once dropped.
     inner: Option<PoolConnection<Postgres>>,
     /// A statement was sent and its answer not yet read in full.
     in_statement: bool,
+    /// The session refused a write: it is on a read-only server.
+    read_only: bool,
     /// Longest wait for a statement's answer.
     bound: Duration,
 }
@@ -355,6 +365,7 @@ impl Connection {
         let Self {
             inner,
             in_statement,
+            read_only,
             bound,
         } = self;
         let bound = *bound;
@@ -365,15 +376,25 @@ impl Connection {
         // when dropped.
         let answer = answer.map_err(|_| StoreError::timed_out(bound))?;
         *in_statement = false;
+        if let Err(error) = &answer {
+            *read_only |= is_read_only(error);
+        }
         Ok(answer?)
     }
 }
 
+/// A write refused because the session is read-only: a standby (recovery)
+/// or `default_transaction_read_only`.
+fn is_read_only(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("25006"))
+}
+
 impl Drop for Connection {
     fn drop(&mut self) {
-        if self.in_statement
-            && let Some(connection) = self.inner.take()
-        {
+        let Some(connection) = self.inner.take() else {
+            return;
+        };
+        if self.in_statement {
             // Detached (the pool may open another in its place) and dropped:
             // the socket closes at once. `close_on_drop` would say goodbye
             // first, in a task holding the pool slot for up to 5 s when the
@@ -382,6 +403,10 @@ impl Drop for Connection {
             // running ends.
             drop(connection.detach());
             metrics::counter!(crate::metrics::DB_CONNECTIONS_ABANDONED_TOTAL).increment(1);
+        } else if self.read_only {
+            // Out of the pool, its socket closed at once.
+            drop(connection.detach());
+            metrics::counter!(crate::metrics::DB_CONNECTIONS_READ_ONLY_TOTAL).increment(1);
         }
     }
 }

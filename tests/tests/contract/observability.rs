@@ -53,6 +53,7 @@ async fn a_fresh_server_shows_its_fixed_counters_at_zero() {
         "idempotency_grpc_calls_refused_total",
         r#"idempotency_db_calls_alone_total{query="acquire"}"#,
         "idempotency_db_connections_abandoned_total",
+        "idempotency_db_connections_read_only_total",
         r#"idempotency_database_probes_total{result="timeout"}"#,
         r#"idempotency_reaper_runs_total{result="error"}"#,
         r#"idempotency_auth_denied_total{reason="namespace_forbidden"}"#,

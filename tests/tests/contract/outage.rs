@@ -5,7 +5,7 @@ use std::time::Duration;
 use idempotency_client::pb;
 use idempotency_server::startup::{Application, StartupError};
 use idempotency_tests::{
-    TestDb, TestServer, database_url, record_id, response, spawn_app, spawn_app_with,
+    TestApp, TestDb, TestServer, database_url, record_id, response, spawn_app, spawn_app_with,
     test_settings, unique_key,
 };
 use tonic::{Code, transport::Channel};
@@ -220,5 +220,93 @@ async fn a_database_the_service_may_not_use_answers_unavailable_not_internal() {
 
         assert_error(refused, Code::Unavailable, "DATABASE_UNAVAILABLE");
         server.stop().await;
+    }
+}
+
+/// `count` Acquires of new keys at once; their results.
+async fn acquire_new_keys(
+    app: &TestApp,
+    count: usize,
+) -> Vec<Result<pb::AcquireResponse, tonic::Status>> {
+    let calls = (0..count).map(|_| {
+        let mut client = app.client.clone();
+        async move { try_acquire(&mut client, &record_id(&unique_key("standby")), b"fp").await }
+    });
+    futures_util::future::join_all(calls).await
+}
+
+/// How a failover looks to a server whose database URL now leads to a
+/// standby: sessions that may read but not write. Every Acquire on one is
+/// refused (SQLSTATE 25006); the connection must not stay in the pool, or it
+/// refuses writes long after the database URL leads to a writable primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_database_is_not_serving_and_no_read_only_connection_outlives_it() {
+    let app = spawn_app_with(|settings| {
+        settings.health_check_interval = Duration::from_secs(1);
+    })
+    .await;
+    let mut health = HealthClient::new(TestServer::channel_to(app.server.addr).await);
+    wait_for_health(&mut health, ServingStatus::Serving).await;
+    assert_eq!(acquire_new_keys(&app, 1).await.len(), 1);
+    let admin = &app.db.pool;
+    let set_read_only = |on: bool| {
+        let sql = if on {
+            format!(
+                "ALTER DATABASE {} SET default_transaction_read_only = on",
+                app.db.name
+            )
+        } else {
+            format!(
+                "ALTER DATABASE {} RESET default_transaction_read_only",
+                app.db.name
+            )
+        };
+        async move {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .execute(admin)
+                .await
+                .unwrap()
+        }
+    };
+
+    // The failover: the server's sessions end, new ones are read-only.
+    set_read_only(true).await;
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+         WHERE datname = current_database() AND application_name = 'idempotencyd'",
+    )
+    .execute(admin)
+    .await
+    .unwrap();
+    wait_for_health(&mut health, ServingStatus::NotServing).await;
+    let rows = app.db.row_count().await;
+    // Enough calls at once to open several read-only connections.
+    for _ in 0..3 {
+        for result in acquire_new_keys(&app, 8).await {
+            assert_error(result, Code::Unavailable, "DATABASE_UNAVAILABLE");
+        }
+    }
+    assert_eq!(
+        app.db.row_count().await,
+        rows,
+        "a refused call wrote nothing"
+    );
+    wait_for_metric(
+        &app.server,
+        "idempotency_db_connections_read_only_total",
+        |closed| closed >= 1.0,
+    )
+    .await;
+
+    // The primary is writable again (the new one, in a real failover).
+    set_read_only(false).await;
+    wait_for_health(&mut health, ServingStatus::Serving).await;
+    for _ in 0..3 {
+        for result in acquire_new_keys(&app, 8).await {
+            assert!(
+                result.is_ok(),
+                "a read-only connection was reused: {result:?}"
+            );
+        }
     }
 }
