@@ -142,4 +142,14 @@ grep -q 'audit' "$tmp/err" || fail "no audit line in text logs: $(cat "$tmp/err"
 cat "$tmp/out" "$tmp/err" >>"$tmp/purge-all"
 if grep -q SecretTailB "$tmp/purge-all"; then fail "admin purge printed the password"; fi
 
-echo "smoke-cli: migrate, reap --once, admin, purge, URL file, redaction: ok"
+# libpq's TLS variables fill in what the URL does not say (the chart's
+# CloudNativePG example relies on it: the operator's Secret holds a URL
+# without sslmode); a URL that says it wins. This Postgres has no TLS.
+if DATABASE_URL="$url" PGSSLMODE=verify-full "$bin" migrate --log-level warn >"$tmp/out" 2>&1; then
+  fail "PGSSLMODE=verify-full was ignored: migrate connected without TLS"
+fi
+grep -q 'server does not support TLS' "$tmp/out" || fail "PGSSLMODE=verify-full: $(cat "$tmp/out")"
+PGSSLMODE=verify-full DATABASE_URL="$url?sslmode=disable" "$bin" migrate --log-level warn ||
+  fail "the URL's sslmode=disable did not win over PGSSLMODE"
+
+echo "smoke-cli: migrate, reap --once, admin, purge, URL file, redaction, libpq TLS variables: ok"
