@@ -22,7 +22,7 @@ use crate::support::Client;
 
 /// A server the test started, stopped when dropped.
 enum Server {
-    InProcess { _server: TestServer },
+    InProcess { _server: Box<TestServer> },
     Process(Child),
 }
 
@@ -56,7 +56,9 @@ impl Replicas {
             let server =
                 TestServer::start_with(settings_with_flags(db.url().as_str(), flags)).await;
             addrs.push((server.addr, server.metrics_addr));
-            servers.push(Server::InProcess { _server: server });
+            servers.push(Server::InProcess {
+                _server: Box::new(server),
+            });
         } else {
             for _ in 0..count {
                 let (server, announced) = start_process(&db, flags).await;
