@@ -16,7 +16,8 @@ mod test_log;
 pub use database::TestDb;
 pub use proxy::TcpProxy;
 pub use server::{
-    TestApp, TestServer, server_pool, settings_for, spawn_app, spawn_app_with, test_settings,
+    TestApp, TestServer, server_pool, settings_for, settings_with_flags, spawn_app, spawn_app_with,
+    test_settings,
 };
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -25,7 +25,14 @@ pub fn test_settings(db: &TestDb) -> Settings {
 /// on (the contract holds with both), the connection limits (the connection
 /// tests shorten what they test).
 pub fn settings_for(url: &str) -> Settings {
-    Settings::from_flags([
+    settings_with_flags(url, &[])
+}
+
+/// [`settings_for`], with `flags` besides: flags of `idempotencyd serve`
+/// that the test settings do not already give (a flag given twice is an
+/// error).
+pub fn settings_with_flags(url: &str, flags: &[&str]) -> Settings {
+    let test_flags = [
         "--database-url",
         url,
         // Free loopback ports, which the server reports once bound.
@@ -43,8 +50,8 @@ pub fn settings_for(url: &str) -> Settings {
         "false",
         "--stats-interval",
         "1h",
-    ])
-    .expect("the test settings are valid flags")
+    ];
+    Settings::from_flags(test_flags.iter().chain(flags)).expect("the test settings are valid flags")
 }
 
 /// A pool built the way `idempotencyd serve` builds it, for tests that

@@ -3,7 +3,7 @@
 use idempotency_client::pb::acquire_response::Outcome;
 use idempotency_tests::{record_id, response, spawn_app, unique_key};
 
-use crate::support::*;
+use crate::{replicas::Replicas, support::*};
 
 #[tokio::test]
 async fn a_new_key_is_acquired_with_a_token_and_a_lease_inside_its_lifetime() {
@@ -85,51 +85,67 @@ async fn a_terminally_failed_key_replays_the_stored_error() {
 
 #[tokio::test]
 async fn a_fingerprint_mismatch_wins_over_every_state_and_changes_nothing() {
-    let mut app = spawn_app().await;
+    mismatch_wins_over_every_state(&Replicas::start(1, &[]).await).await;
+}
+
+#[tokio::test]
+async fn a_fingerprint_mismatch_is_answered_alike_by_every_replica_and_changes_nothing() {
+    mismatch_wins_over_every_state(&Replicas::start(2, &[]).await).await;
+}
+
+/// Records in every state, made on the first replica; another fingerprint
+/// asked of each replica, before and after the first one cached the
+/// finished records.
+async fn mismatch_wins_over_every_state(replicas: &Replicas) {
+    let mut each = replicas.each().await;
+    let maker = &mut each[0];
     // One key per state the record can be in.
     let live = record_id(&unique_key("live"));
     let lapsed = record_id(&unique_key("lapsed"));
     let completed = record_id(&unique_key("completed"));
     let failed = record_id(&unique_key("failed"));
     let released = record_id(&unique_key("released"));
-    token(&acquire(&mut app.client, &live, b"original").await);
-    token(&acquire_leased(&mut app.client, &lapsed, b"original", 1).await);
-    let t = token(&acquire(&mut app.client, &completed, b"original").await);
-    complete(&mut app.client, &completed, t, response(201, "ok"))
+    token(&acquire(maker, &live, b"original").await);
+    token(&acquire_leased(maker, &lapsed, b"original", 1).await);
+    let t = token(&acquire(maker, &completed, b"original").await);
+    complete(maker, &completed, t, response(201, "ok"))
         .await
         .unwrap();
-    let t = token(&acquire(&mut app.client, &failed, b"original").await);
-    fail(
-        &mut app.client,
-        &failed,
-        t,
-        false,
-        Some(response(400, "bad")),
-    )
-    .await
-    .unwrap();
-    let t = token(&acquire(&mut app.client, &released, b"original").await);
-    fail(&mut app.client, &released, t, true, None)
+    let t = token(&acquire(maker, &failed, b"original").await);
+    fail(maker, &failed, t, false, Some(response(400, "bad")))
         .await
         .unwrap();
+    let t = token(&acquire(maker, &released, b"original").await);
+    fail(maker, &released, t, true, None).await.unwrap();
     wait_past(1).await; // `lapsed`'s lease has now passed: it would be taken over.
 
-    for id in [&live, &lapsed, &completed, &failed, &released] {
-        let before = get(&mut app.client, id).await.unwrap();
+    for cached in [false, true] {
+        if cached {
+            // The first replica replays the finished records: from now on
+            // it answers them from its replay cache, the others from the
+            // database.
+            for id in [&completed, &failed] {
+                let replay = acquire(&mut each[0], id, b"original").await;
+                assert!(
+                    matches!(replay, Outcome::Completed(_) | Outcome::Failed(_)),
+                    "{replay:?}"
+                );
+            }
+        }
+        for id in [&live, &lapsed, &completed, &failed, &released] {
+            for (replica, client) in each.iter_mut().enumerate() {
+                let before = get(client, id).await.unwrap();
 
-        let outcome = acquire(&mut app.client, id, b"different").await;
+                let outcome = acquire(client, id, b"different").await;
 
-        assert!(
-            matches!(outcome, Outcome::FingerprintMismatch(_)),
-            "{}: {outcome:?}",
-            id.key
-        );
-        assert_eq!(
-            get(&mut app.client, id).await.unwrap(),
-            before,
-            "{}",
-            id.key
-        );
+                assert!(
+                    matches!(outcome, Outcome::FingerprintMismatch(_)),
+                    "{} on replica {replica} (cached: {cached}): {outcome:?}",
+                    id.key
+                );
+                assert_eq!(get(client, id).await.unwrap(), before, "{}", id.key);
+            }
+        }
     }
 }
 

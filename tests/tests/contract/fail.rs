@@ -4,39 +4,51 @@ use idempotency_client::pb::{self, acquire_response::Outcome};
 use idempotency_tests::{record_id, response, spawn_app, unique_key};
 use tonic::Code;
 
-use crate::support::*;
+use crate::{replicas::Replicas, support::*};
 
 #[tokio::test]
 async fn a_retryable_failure_releases_the_key_to_the_next_attempt_with_the_next_token() {
-    let mut app = spawn_app().await;
-    let id = record_id(&unique_key("retryable"));
-    let first = token(&acquire(&mut app.client, &id, b"fp").await);
+    retryable_failure_releases_the_key(&Replicas::start(1, &[]).await).await;
+}
 
-    let released = fail(&mut app.client, &id, first, true, None).await.unwrap();
+#[tokio::test]
+async fn a_key_released_on_one_replica_is_taken_on_another_with_the_next_token() {
+    retryable_failure_releases_the_key(&Replicas::start(2, &[]).await).await;
+}
+
+/// Acquired and released on the first replica, taken on the last.
+async fn retryable_failure_releases_the_key(replicas: &Replicas) {
+    let mut each = replicas.each().await;
+    let last = each.len() - 1;
+    let id = record_id(&unique_key("retryable"));
+    let first = token(&acquire(&mut each[0], &id, b"fp").await);
+
+    let released = fail(&mut each[0], &id, first, true, None).await.unwrap();
 
     assert_eq!(released.state(), pb::RecordState::Released);
+    for client in &mut each {
+        assert_eq!(
+            get(client, &id).await.unwrap().state(),
+            pb::RecordState::Released
+        );
+        // Repeating the same Fail is fine.
+        assert_eq!(
+            fail(client, &id, first, true, None).await.unwrap().state(),
+            pb::RecordState::Released
+        );
+    }
     assert_eq!(
-        get(&mut app.client, &id).await.unwrap().state(),
-        pb::RecordState::Released
-    );
-    // Repeating the same Fail is fine.
-    assert_eq!(
-        fail(&mut app.client, &id, first, true, None)
-            .await
-            .unwrap()
-            .state(),
-        pb::RecordState::Released
-    );
-    assert_eq!(
-        token(&acquire(&mut app.client, &id, b"fp").await),
+        token(&acquire(&mut each[last], &id, b"fp").await),
         first + 1
     );
-    // The released attempt cannot come back.
-    assert_error(
-        complete(&mut app.client, &id, first, response(201, "late")).await,
-        Code::Aborted,
-        "STALE_FENCING_TOKEN",
-    );
+    // The released attempt cannot come back, through any replica.
+    for client in &mut each {
+        assert_error(
+            complete(client, &id, first, response(201, "late")).await,
+            Code::Aborted,
+            "STALE_FENCING_TOKEN",
+        );
+    }
 }
 
 #[tokio::test]

@@ -20,6 +20,7 @@ mod plans;
 mod race;
 mod reaper;
 mod replay_cache;
+mod replicas;
 mod scoping;
 mod shutdown;
 mod support;

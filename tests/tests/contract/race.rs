@@ -1,13 +1,15 @@
 //! Concurrent duplicates never both run the business logic. Real concurrency:
 //! a multi-thread runtime, several HTTP/2 connections, tasks released together.
+//! Each race runs against one server, and against two replicas on one
+//! database with the callers' connections spread over both.
 
 use std::sync::Arc;
 
 use idempotency_client::pb::{self, acquire_response::Outcome};
-use idempotency_tests::{TestServer, record_id, response, spawn_app, spawn_app_with, unique_key};
+use idempotency_tests::{record_id, response, spawn_app, unique_key};
 use tokio::sync::Barrier;
 
-use crate::support::*;
+use crate::{replicas::Replicas, support::*};
 
 const CALLERS: usize = 64;
 const CONNECTIONS: usize = 8;
@@ -37,28 +39,33 @@ async fn acquire_all_at_once(
     outcomes
 }
 
-async fn clients(server: &TestServer) -> Vec<Client> {
-    let mut clients = Vec::new();
-    for _ in 0..CONNECTIONS {
-        clients.push(server.new_client().await);
-    }
-    clients
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sixty_four_concurrent_acquires_give_exactly_one_holder_then_identical_replays() {
-    let app = spawn_app().await;
-    one_holder_then_identical_replays(&app.server).await;
+    one_holder_then_identical_replays(&Replicas::start(1, &[]).await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sixty_four_concurrent_acquires_give_exactly_one_holder_without_batching_too() {
-    let app = spawn_app_with(|settings| settings.batching = false).await;
-    one_holder_then_identical_replays(&app.server).await;
+    one_holder_then_identical_replays(&Replicas::start(1, &["--batching", "false"]).await).await;
 }
 
-async fn one_holder_then_identical_replays(server: &TestServer) {
-    let clients = clients(server).await;
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_four_concurrent_acquires_over_two_replicas_give_exactly_one_holder_then_identical_replays()
+ {
+    one_holder_then_identical_replays(&Replicas::start(2, &[]).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_four_concurrent_acquires_over_two_replicas_give_exactly_one_holder_without_batching_too()
+ {
+    one_holder_then_identical_replays(&Replicas::start(2, &["--batching", "false"]).await).await;
+}
+
+/// Rounds of `CALLERS` racing on a new key: one holder, every other caller
+/// told it is in progress; once it completes, every caller, on any
+/// replica, replays its response (from the database or a replay cache).
+async fn one_holder_then_identical_replays(replicas: &Replicas) {
+    let clients = replicas.clients(CONNECTIONS).await;
 
     for round in 0..20 {
         let id = record_id(&unique_key(&format!("race{round}")));
@@ -78,7 +85,9 @@ async fn one_holder_then_identical_replays(server: &TestServer) {
         let holder = token(acquired[0]);
 
         let stored = response(201, &format!(r#"{{"payment":"{round}"}}"#));
-        complete(&mut clients[0].clone(), &id, holder, stored.clone())
+        // The holder completes on the replica of this round, whichever.
+        let mut completer = clients[round % clients.len()].clone();
+        complete(&mut completer, &id, holder, stored.clone())
             .await
             .unwrap();
 
@@ -91,12 +100,36 @@ async fn one_holder_then_identical_replays(server: &TestServer) {
             assert_eq!(completed.response.as_ref(), Some(&stored), "round {round}");
         }
     }
+    // Each replica answered its share of the callers: all but one of them
+    // in every round were told the key is in progress.
+    let share = CALLERS / replicas.len();
+    for replica in 0..replicas.len() {
+        let page = replicas.metrics(replica).await;
+        let in_progress = idempotency_tests::metric_value(
+            &page,
+            r#"idempotency_requests_total{rpc="Acquire",outcome="in_progress",namespace="payments"}"#,
+        );
+        assert!(
+            in_progress >= Some((20 * (share - 1)) as f64),
+            "replica {replica}: {in_progress:?}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_takeovers_of_a_lapsed_lease_give_exactly_one_new_holder() {
-    let app = spawn_app().await;
-    let clients = clients(&app.server).await;
+    takeovers_give_one_new_holder(&Replicas::start(1, &[]).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_takeovers_over_two_replicas_of_a_lapsed_lease_give_exactly_one_new_holder() {
+    takeovers_give_one_new_holder(&Replicas::start(2, &[]).await).await;
+}
+
+/// Leases taken on the first replica lapse; `CALLERS`, spread over every
+/// replica, race to take each over: one wins, with a newer token.
+async fn takeovers_give_one_new_holder(replicas: &Replicas) {
+    let clients = replicas.clients(CONNECTIONS).await;
     let ids: Vec<_> = (0..5)
         .map(|n| record_id(&unique_key(&format!("lapsed{n}"))))
         .collect();
@@ -132,20 +165,29 @@ async fn concurrent_takeovers_of_a_lapsed_lease_give_exactly_one_new_holder() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn full_batches_with_many_keys_and_duplicates_give_exactly_one_holder_per_key() {
+    full_batches_give_one_holder_per_key(1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn full_batches_on_two_replicas_with_many_keys_and_duplicates_give_exactly_one_holder_per_key()
+ {
+    full_batches_give_one_holder_per_key(2).await;
+}
+
+/// `KEYS` new keys, `DUPLICATES` callers each, spread over `count` replicas
+/// each with one statement worker: batches of several calls, duplicates
+/// among them, and one holder per key.
+async fn full_batches_give_one_holder_per_key(count: usize) {
     const KEYS: usize = 16;
     const DUPLICATES: usize = 8;
     // One worker: while its statement runs, every other call queues, so
     // batches fill up and carry duplicates of the same keys.
-    let app = spawn_app_with(|settings| {
-        settings.batch_workers = 1;
-        settings.batch_max_size = 64;
-    })
-    .await;
-    let clients = clients(&app.server).await;
+    let replicas =
+        Replicas::start(count, &["--batch-workers", "1", "--batch-max-size", "64"]).await;
+    let clients = replicas.clients(CONNECTIONS).await;
     let ids: Vec<_> = (0..KEYS)
         .map(|n| record_id(&unique_key(&format!("batch{n}"))))
         .collect();
-    let metrics = idempotency_server::telemetry::metrics_handle();
     let barrier = Arc::new(Barrier::new(KEYS * DUPLICATES));
 
     let tasks: Vec<_> = (0..KEYS * DUPLICATES)
@@ -180,16 +222,19 @@ async fn full_batches_with_many_keys_and_duplicates_give_exactly_one_holder_per_
         let record = get(&mut client, id).await.unwrap();
         assert_eq!(acquired[&id.key], [record.fencing_token], "{}", id.key);
     }
-    let page = metrics.render();
-    let value = |series: &str| idempotency_tests::metric_value(&page, series).unwrap_or(0.0);
-    let (sum, count) = (
-        value(r#"idempotency_db_batch_size_sum{query="acquire"}"#),
-        value(r#"idempotency_db_batch_size_count{query="acquire"}"#),
-    );
-    assert!(
-        count > 0.0 && sum / count > 1.5,
-        "statements did not batch: {sum} calls in {count}"
-    );
+    // Every replica's statements carried several calls each.
+    for replica in 0..replicas.len() {
+        let page = replicas.metrics(replica).await;
+        let value = |series: &str| idempotency_tests::metric_value(&page, series).unwrap_or(0.0);
+        let (sum, statements) = (
+            value(r#"idempotency_db_batch_size_sum{query="acquire"}"#),
+            value(r#"idempotency_db_batch_size_count{query="acquire"}"#),
+        );
+        assert!(
+            statements > 0.0 && sum / statements > 1.5,
+            "replica {replica}'s statements did not batch: {sum} calls in {statements}"
+        );
+    }
 }
 
 /// Group commit runs one statement per kind at a time; a call waiting on a

@@ -1,9 +1,9 @@
 //! The replay cache: repeated Acquires of a finished record are answered
 //! from memory, with the same answers the database would give, never after
 //! the record expired, and an operator's purge is seen within the cache's
-//! max age.
+//! max age, by every replica.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use idempotency_client::pb::{self, acquire_response::Outcome};
 use idempotency_server::settings::{AdminCommand, Settings};
@@ -13,7 +13,7 @@ use idempotency_tests::{
 };
 use tonic::Code;
 
-use crate::support::*;
+use crate::{replicas::Replicas, support::*};
 
 /// The test settings have the cache on, as served by default: these turn it off.
 fn without_cache(db: &TestDb) -> Settings {
@@ -163,4 +163,65 @@ async fn a_purge_reaches_a_replica_that_cached_the_record_within_the_max_age() {
     tokio::time::sleep(max_age + Duration::from_millis(200)).await;
     // ...then the key is free again: a new attempt holds it.
     token(&acquire(&mut app.client, &id, b"fp").await);
+}
+
+#[tokio::test]
+async fn a_purge_stops_every_replica_replaying_the_record_within_the_max_age() {
+    let max_age = Duration::from_secs(2);
+    let replicas = Replicas::start(2, &["--replay-cache-max-age", "2s"]).await;
+    let mut each = replicas.each().await;
+    let id = record_id(&unique_key("purged-everywhere"));
+    let t = token(&acquire(&mut each[0], &id, b"fp").await);
+    complete(&mut each[0], &id, t, response(201, "{}"))
+        .await
+        .unwrap();
+    // Each replica replays it twice: the first read caches it, the second
+    // is answered from the cache.
+    for (replica, client) in each.iter_mut().enumerate() {
+        for _ in 0..2 {
+            assert!(matches!(
+                acquire(client, &id, b"fp").await,
+                Outcome::Completed(_)
+            ));
+        }
+        let page = replicas.metrics(replica).await;
+        let hits = metric_value(
+            &page,
+            r#"idempotency_replay_cache_lookups_total{result="hit"}"#,
+        );
+        assert_eq!(hits, Some(1.0), "replica {replica}");
+    }
+
+    let purged_at = Instant::now();
+    run_admin(&replicas.db, AdminCommand::Purge(purge_args(&id)), false)
+        .await
+        .unwrap();
+
+    // Every replica is asked every 100 ms until past the max age. A replica
+    // may answer from its cache until then (every entry was read before the
+    // purge began), never after; then the key is free: one new attempt
+    // holds it.
+    let deadline = purged_at + max_age;
+    let mut holders = 0;
+    loop {
+        let round_began = Instant::now();
+        for (replica, client) in each.iter_mut().enumerate() {
+            let asked = Instant::now();
+            match acquire(client, &id, b"fp").await {
+                Outcome::Completed(_) => assert!(
+                    asked < deadline,
+                    "replica {replica} replayed the purged record {:?} after the purge",
+                    asked - purged_at
+                ),
+                Outcome::Acquired(_) => holders += 1,
+                Outcome::InProgress(_) => {}
+                other => panic!("replica {replica}: {other:?}"),
+            }
+        }
+        if round_began > deadline {
+            break; // Every replica was asked past the max age.
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(holders, 1, "one new attempt holds the purged key");
 }
