@@ -77,8 +77,14 @@ struct Options {
 }
 
 fn parse_duration(value: &str) -> Result<Duration, String> {
-    let (number, unit) = value.split_at(value.find(|c: char| c.is_alphabetic()).unwrap_or(value.len()));
-    let number: f64 = number.parse().map_err(|_| format!("not a duration: {value}"))?;
+    let (number, unit) = value.split_at(
+        value
+            .find(|c: char| c.is_alphabetic())
+            .unwrap_or(value.len()),
+    );
+    let number: f64 = number
+        .parse()
+        .map_err(|_| format!("not a duration: {value}"))?;
     let seconds = match unit {
         "ms" => number / 1000.0,
         "s" | "" => number,
@@ -405,7 +411,12 @@ async fn complete(
     }
 }
 
-async fn load_task(shared: Arc<Shared>, mut client: IdempotencyServiceClient<Channel>, task: usize, duplicates: u32) {
+async fn load_task(
+    shared: Arc<Shared>,
+    mut client: IdempotencyServiceClient<Channel>,
+    task: usize,
+    duplicates: u32,
+) {
     while !shared.stop.load(Ordering::Relaxed) {
         let key = shared.pick_key(duplicates);
         let acquired_at = Instant::now();
@@ -432,7 +443,9 @@ async fn load_task(shared: Arc<Shared>, mut client: IdempotencyServiceClient<Cha
             }
             Some(Outcome::InProgress(_)) => shared.note_outcome("Acquire IN_PROGRESS"),
             Some(Outcome::Failed(_)) => shared.note_outcome("Acquire FAILED"),
-            Some(Outcome::FingerprintMismatch(_)) => shared.note_outcome("Acquire FINGERPRINT_MISMATCH"),
+            Some(Outcome::FingerprintMismatch(_)) => {
+                shared.note_outcome("Acquire FINGERPRINT_MISMATCH")
+            }
             None => {}
         }
     }
@@ -446,7 +459,12 @@ async fn health_task(shared: Arc<Shared>, index: usize, addr: String) {
         if status != last {
             last = status;
             let now = Instant::now();
-            shared.record.lock().unwrap().health.push((index, now, status));
+            shared
+                .record
+                .lock()
+                .unwrap()
+                .health
+                .push((index, now, status));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -457,6 +475,8 @@ async fn health_task(shared: Arc<Shared>, index: usize, addr: String) {
 struct Event {
     name: String,
     at: Instant,
+    /// How long its command ran.
+    took: Duration,
     /// When calls and health had succeeded for [`QUIET`] (`None`: never).
     quiet_at: Option<Instant>,
 }
@@ -499,33 +519,59 @@ async fn run(options: Options) -> ExitCode {
     let channels: Vec<Channel> = options.endpoints.iter().map(|addr| channel(addr)).collect();
     let mut health_tasks = Vec::new();
     for (index, addr) in options.health.iter().enumerate() {
-        health_tasks.push(tokio::spawn(health_task(shared.clone(), index, addr.clone())));
+        health_tasks.push(tokio::spawn(health_task(
+            shared.clone(),
+            index,
+            addr.clone(),
+        )));
     }
     let load_started = Instant::now();
     let mut tasks = Vec::new();
     for task in 0..options.tasks {
         let client = IdempotencyServiceClient::new(channels[task % channels.len()].clone());
-        tasks.push(tokio::spawn(load_task(shared.clone(), client, task, options.duplicates)));
+        tasks.push(tokio::spawn(load_task(
+            shared.clone(),
+            client,
+            task,
+            options.duplicates,
+        )));
     }
 
-    println!("ha-check: {} tasks on {}; steady {:?}", options.tasks, options.endpoints.join(", "), options.steady);
+    println!(
+        "ha-check: {} tasks on {}; steady {:?}",
+        options.tasks,
+        options.endpoints.join(", "),
+        options.steady
+    );
     tokio::time::sleep(options.steady).await;
     let mut events = Vec::new();
     for (name, command) in &options.events {
         let at = Instant::now();
-        println!("ha-check: {name}: `{command}` at {:.1} s", at.duration_since(load_started).as_secs_f64());
+        println!(
+            "ha-check: {name}: `{command}` at {:.1} s",
+            at.duration_since(load_started).as_secs_f64()
+        );
         let command = command.clone();
         let status = tokio::task::spawn_blocking(move || {
-            std::process::Command::new("sh").arg("-c").arg(command).status()
+            std::process::Command::new("sh")
+                .arg("-c")
+                .arg(command)
+                .status()
         })
         .await
         .expect("the event's thread");
+        let took = at.elapsed();
         if !matches!(&status, Ok(status) if status.success()) {
             eprintln!("ha-check: {name}: the command failed: {status:?}");
         }
         let quiet_at = loop {
             let now = Instant::now();
-            if settled(&shared.record.lock().unwrap(), at, options.health.len(), now) {
+            if settled(
+                &shared.record.lock().unwrap(),
+                at,
+                options.health.len(),
+                now,
+            ) {
                 break Some(now);
             }
             if now.duration_since(at) > options.recover_within {
@@ -536,13 +582,21 @@ async fn run(options: Options) -> ExitCode {
         events.push(Event {
             name: name.clone(),
             at,
+            took,
             quiet_at,
         });
         if quiet_at.is_none() {
-            eprintln!("ha-check: {name}: no recovery within {:?}", options.recover_within);
+            eprintln!(
+                "ha-check: {name}: no recovery within {:?}",
+                options.recover_within
+            );
             break;
         }
-        println!("ha-check: {name}: settled after {:.1} s; steady {:?}", at.elapsed().as_secs_f64(), options.steady);
+        println!(
+            "ha-check: {name}: settled after {:.1} s; steady {:?}",
+            at.elapsed().as_secs_f64(),
+            options.steady
+        );
         tokio::time::sleep(options.steady).await;
     }
     let load_ended = Instant::now();
@@ -587,13 +641,16 @@ struct Verified {
     other: usize,
 }
 
+/// A key and the response its acknowledged Complete stored.
+type Expected = (String, Vec<u8>);
+
 /// Acquires every acknowledged key through `addr` and compares the replay.
 async fn verify(record: &Record, addr: &str, concurrency: usize) -> Verified {
     let mut expected: BTreeMap<&str, &[u8]> = BTreeMap::new();
     for (key, body, _) in &record.acks {
         expected.insert(key, body);
     }
-    let queue: Arc<Mutex<Vec<(String, Vec<u8>)>>> = Arc::new(Mutex::new(
+    let queue: Arc<Mutex<Vec<Expected>>> = Arc::new(Mutex::new(
         expected
             .iter()
             .map(|(key, body)| (key.to_string(), body.to_vec()))
@@ -640,7 +697,14 @@ async fn verify(record: &Record, addr: &str, concurrency: usize) -> Verified {
     for task in tasks {
         task.await.expect("a verifying task");
     }
-    let failed_calls = shared.record.lock().unwrap().calls.iter().filter(|c| c.code != Code::Ok).count();
+    let failed_calls = shared
+        .record
+        .lock()
+        .unwrap()
+        .calls
+        .iter()
+        .filter(|c| c.code != Code::Ok)
+        .count();
     if failed_calls > 0 {
         println!("ha-check: verification: {failed_calls} call(s) retried");
     }
@@ -690,7 +754,9 @@ impl Report<'_> {
                     v.keys, v.same, v.different, v.lost, v.other
                 );
                 if v.same != v.keys {
-                    println!("  CHECK FAILED: every acknowledged Complete must replay with its response");
+                    println!(
+                        "  CHECK FAILED: every acknowledged Complete must replay with its response"
+                    );
                     pass = false;
                 }
             }
@@ -699,38 +765,89 @@ impl Report<'_> {
         pass
     }
 
-    /// Acknowledged Completes per phase (between the events and their recoveries).
-    fn print_phases(&self) -> bool {
-        let mut bounds = vec![("steady before the first event".to_owned(), self.load_started)];
+    /// The phases: steady, then per event "during" (from the event until it
+    /// settled) and "after" (until the next event or the end).
+    fn phases(&self) -> Vec<(String, Instant, Instant)> {
+        let mut starts = vec![("steady, before any event".to_owned(), self.load_started)];
         for event in self.events {
-            bounds.push((format!("during {}", event.name), event.at));
+            starts.push((format!("during {}", event.name), event.at));
             if let Some(quiet_at) = event.quiet_at {
-                bounds.push((format!("after {}", event.name), quiet_at));
+                starts.push((format!("after {}", event.name), quiet_at));
             }
         }
+        let ends: Vec<Instant> = starts
+            .iter()
+            .skip(1)
+            .map(|(_, at)| *at)
+            .chain([self.load_ended])
+            .collect();
+        starts
+            .into_iter()
+            .zip(ends)
+            .map(|((name, start), end)| (name, start, end))
+            .collect()
+    }
+
+    /// Per phase: acknowledged Completes, and failed calls by RPC and code.
+    /// Fails on a phase outside an event with nothing acknowledged, and on
+    /// any failed call whose code is not retryable.
+    fn print_phases(&self) -> bool {
         let mut pass = true;
-        println!("acknowledged Completes per phase:");
-        for (index, (name, start)) in bounds.iter().enumerate() {
-            let end = bounds.get(index + 1).map_or(self.load_ended, |(_, at)| *at);
+        println!("per phase (acknowledged Completes; failed call attempts by RPC and gRPC code):");
+        let phases = self.phases();
+        for (index, (name, start, end)) in phases.iter().enumerate() {
+            let last = index + 1 == phases.len();
+            let within = |at: Instant| at >= *start && (at < *end || last);
             let acks = self
                 .record
                 .acks
                 .iter()
-                .filter(|(_, _, at)| *at >= *start && (*at < end || index + 1 == bounds.len()))
+                .filter(|(_, _, at)| within(*at))
                 .count();
-            println!("  {name:<36} {:>6.1} s {acks:>7} acknowledged", seconds(*start, end));
+            let mut codes: BTreeMap<String, usize> = BTreeMap::new();
+            let mut forbidden = 0;
+            for call in self
+                .record
+                .calls
+                .iter()
+                .filter(|c| c.code != Code::Ok && within(c.end))
+            {
+                *codes
+                    .entry(format!("{} {:?}", call.rpc, call.code))
+                    .or_default() += 1;
+                forbidden += usize::from(!RETRYABLE.contains(&call.code));
+            }
+            let failed: usize = codes.values().sum();
+            let detail = codes
+                .iter()
+                .map(|(code, count)| format!("{code} {count}"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            println!(
+                "  {name:<28} {:>5.1} s {acks:>6} acknowledged {failed:>6} failed{}",
+                seconds(*start, *end),
+                if detail.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({detail})")
+                }
+            );
             if acks == 0 && !name.starts_with("during") {
                 println!("  CHECK FAILED: no Complete acknowledged {name}");
+                pass = false;
+            }
+            if forbidden > 0 {
+                println!(
+                    "  CHECK FAILED: {forbidden} call(s) failed with a code that is not retryable"
+                );
                 pass = false;
             }
         }
         pass
     }
 
-    /// The failures after `event` by code, and the times until calls and
-    /// health recovered.
+    /// How long calls failed after `event`, and what health said.
     fn print_event(&self, event: &Event) -> bool {
-        let mut pass = true;
         let end = self
             .events
             .iter()
@@ -742,84 +859,80 @@ impl Report<'_> {
             .iter()
             .filter(|call| call.end >= event.at && call.end < end)
             .collect();
-        let mut codes: BTreeMap<String, usize> = BTreeMap::new();
-        for call in calls.iter().filter(|call| call.code != Code::Ok) {
-            *codes.entry(format!("{} {:?}", call.rpc, call.code)).or_default() += 1;
-        }
-        let last_failure = calls.iter().filter(|c| c.code != Code::Ok).map(|c| c.end).max();
-        let failures: usize = codes.values().sum();
-        println!("{}:", event.name);
         println!(
-            "  failed calls: {failures}{}",
-            if codes.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    " ({})",
-                    codes
-                        .iter()
-                        .map(|(code, count)| format!("{code}: {count}"))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
-            }
+            "{} (times from the event's start; its command took {:.2} s):",
+            event.name,
+            event.took.as_secs_f64()
         );
-        let forbidden = calls
+        let failures: Vec<Instant> = calls
             .iter()
-            .filter(|call| call.code != Code::Ok && !RETRYABLE.contains(&call.code))
-            .count();
-        if forbidden > 0 {
-            println!("  CHECK FAILED: {forbidden} call(s) failed with a code that is not retryable");
-            pass = false;
-        }
-        match last_failure {
-            Some(last) => {
-                let first = calls.iter().filter(|c| c.code != Code::Ok).map(|c| c.end).min().unwrap();
+            .filter(|c| c.code != Code::Ok)
+            .map(|c| c.end)
+            .collect();
+        match (failures.iter().min(), failures.iter().max()) {
+            (Some(first), Some(last)) => {
                 let recovered = calls
                     .iter()
-                    .filter(|c| c.code == Code::Ok && c.start > last)
+                    .filter(|c| c.code == Code::Ok && c.start > *last)
                     .map(|c| c.end)
                     .min();
                 println!(
-                    "  calls failed from {:.2} s to {:.2} s after it; succeeding again {}",
-                    seconds(event.at, first),
-                    seconds(event.at, last),
-                    recovered.map_or("never".to_owned(), |at| format!("{:.2} s after it", seconds(event.at, at)))
+                    "  calls failed from {:.2} s to {:.2} s; calls succeed again from {}",
+                    seconds(event.at, *first),
+                    seconds(event.at, *last),
+                    recovered.map_or("never".to_owned(), |at| format!(
+                        "{:.2} s",
+                        seconds(event.at, at)
+                    ))
                 );
             }
-            None => println!("  no call failed; calls kept succeeding"),
+            _ => println!("  no call failed"),
         }
         for (index, addr) in self.health.iter().enumerate() {
-            let answers: Vec<_> = self
-                .record
-                .health
-                .iter()
-                .filter(|(i, at, _)| *i == index && *at >= event.at && *at < end)
-                .collect();
-            let down = answers.iter().find(|(_, _, status)| *status != "SERVING");
-            let text = match down {
-                None => "stayed SERVING".to_owned(),
-                Some((_, down_at, status)) => {
-                    let back = answers
-                        .iter()
-                        .find(|(_, at, status)| at > down_at && *status == "SERVING");
-                    format!(
-                        "{status} at {:.2} s, SERVING again {}",
-                        seconds(event.at, *down_at),
-                        back.map_or("never".to_owned(), |(_, at, _)| format!("at {:.2} s", seconds(event.at, *at)))
-                    )
-                }
-            };
-            println!("  health of {addr}: {text}");
+            println!(
+                "  health of {addr}: {}",
+                self.health_text(index, event.at, end)
+            );
         }
         match event.quiet_at {
-            Some(at) => println!("  settled (calls and health good for {:?}) at {:.2} s", QUIET, seconds(event.at, at)),
+            Some(at) => {
+                println!(
+                    "  settled (calls and health good for {:?}) at {:.2} s",
+                    QUIET,
+                    seconds(event.at, at)
+                );
+                true
+            }
             None => {
                 println!("  CHECK FAILED: calls or health did not recover");
-                pass = false;
+                false
             }
         }
-        pass
+    }
+
+    /// What the health checks of server `index` answered between `from` and `to`.
+    fn health_text(&self, index: usize, from: Instant, to: Instant) -> String {
+        let answers: Vec<_> = self
+            .record
+            .health
+            .iter()
+            .filter(|(i, at, _)| *i == index && *at >= from && *at < to)
+            .collect();
+        let Some((_, down_at, status)) = answers.iter().find(|(_, _, status)| *status != "SERVING")
+        else {
+            return "stayed SERVING".to_owned();
+        };
+        let back = answers
+            .iter()
+            .find(|(_, at, status)| at > down_at && *status == "SERVING");
+        format!(
+            "{status} from {:.2} s, SERVING again from {}",
+            seconds(from, *down_at),
+            back.map_or("never".to_owned(), |(_, at, _)| format!(
+                "{:.2} s",
+                seconds(from, *at)
+            ))
+        )
     }
 
     /// Keys completed with two responses; logic run twice under a live lease.
@@ -845,11 +958,15 @@ impl Report<'_> {
         for key_runs in runs.values_mut().filter(|runs| runs.len() > 1) {
             twice += 1;
             key_runs.sort_by_key(|run| run.acquired_at);
-            let overlapping = key_runs
-                .windows(2)
-                .any(|pair| pair[1].start < pair[0].acquired_at + self.lease || pair[1].token <= pair[0].token);
+            // A later run is legitimate only once the earlier lease has
+            // passed (and then with a larger token); one that began while
+            // the earlier still ran, or within its lease, ran twice under it.
+            let overlapping = key_runs.windows(2).any(|pair| {
+                pair[1].start < pair[0].end
+                    || pair[1].start < pair[0].acquired_at + self.lease
+                    || pair[1].token <= pair[0].token
+            });
             under_live_lease += usize::from(overlapping);
-            let _ = key_runs.iter().map(|run| run.end).max();
         }
         println!(
             "keys answered with two different responses (acknowledged or replayed): {conflicting}"
@@ -858,7 +975,9 @@ impl Report<'_> {
             "keys whose business logic ran twice: {twice}, of which under a live lease: {under_live_lease}"
         );
         if conflicting > 0 || under_live_lease > 0 {
-            println!("  CHECK FAILED: a key answered twice differently, or run twice under a live lease");
+            println!(
+                "  CHECK FAILED: a key answered twice differently, or run twice under a live lease"
+            );
             pass = false;
         }
         pass
