@@ -149,6 +149,8 @@ start() {
   setsid "$@" >"$dir/$name.log" 2>&1 </dev/null &
   pids+=("$!")
   echo "$!" >"$dir/$name.pid"
+  # Not a job of this shell: no "Killed" notice when the test stops it.
+  disown "$!"
 }
 
 # Sets variable $1 to a free port below Linux's ephemeral range (32768 and
@@ -387,15 +389,31 @@ kill -STOP -- "-\$group"
 "$pg_bin/pg_ctl" -D "$dir/\$leader" -m immediate stop >/dev/null
 kill -KILL -- "-\$group"
 EOF
+# Before each event: a leader and a synchronous standby (after a failover,
+# the surviving replica becomes the new primary's synchronous standby only
+# once it follows it; Patroni refuses a switchover until then).
+cat >"$dir/wait-sync.sh" <<EOF
+#!/usr/bin/env bash
+set -euo pipefail
+dir=$dir
+$(declare -f members)
+deadline=\$((SECONDS + 60))
+until state=\$(members) && grep -q ' Leader running\$' <<<"\$state" &&
+  grep -q ' Sync_Standby \(running\|streaming\)\$' <<<"\$state"; do
+  [ "\$SECONDS" -lt "\$deadline" ] || { echo "test-ha: no synchronous standby within 60 s" >&2; exit 1; }
+  sleep 0.2
+done
+EOF
 cat >"$dir/switchover.sh" <<EOF
 #!/usr/bin/env bash
 set -euo pipefail
 patronictl -c "$dir/node1.yml" switchover --force >&2
 EOF
-chmod +x "$dir/kill-primary.sh" "$dir/switchover.sh"
+chmod +x "$dir/kill-primary.sh" "$dir/switchover.sh" "$dir/wait-sync.sh"
 
 "$check_bin" run --endpoints "${grpc_addr[a]},${grpc_addr[b]}" \
   --health "${health_addr[a]},${health_addr[b]}" --verify "${grpc_addr[verifier]}" --tasks "$tasks" --steady "$steady" \
+  --before-each "$dir/wait-sync.sh" \
   --event "failover=$dir/kill-primary.sh" --event "switchover=$dir/switchover.sh"
 members | sed 's/^/test-ha: patroni after: /' >&2
 

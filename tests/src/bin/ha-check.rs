@@ -6,7 +6,8 @@
 //! ```text
 //! ha-check wait-serving --health ADDR[,ADDR…] [--within 90s]
 //! ha-check run --endpoints ADDR[,ADDR…] --health ADDR[,ADDR…] --verify ADDR
-//!              [--event NAME=COMMAND]… [--tasks 32] [--steady 5s]
+//!              [--event NAME=COMMAND]… [--before-each COMMAND]
+//!              [--tasks 32] [--steady 5s]
 //!              [--duplicates 20] [--recover-within 90s] [--lease 30s]
 //! ```
 //!
@@ -21,7 +22,9 @@
 //! to 1 s, and a Complete again with the same token until it is answered.
 //!
 //! The phases: steady for `--steady`; then each `--event` in turn (the
-//! command runs with `sh -c`), the load going on until calls and every
+//! command runs with `sh -c`, after `--before-each` has succeeded, e.g. a
+//! wait for a synchronous standby; times count from the event's command
+//! on), the load going on until calls and every
 //! health check succeed again for 2 s (at most `--recover-within`), and
 //! `--steady` more. Then the load stops, every Complete still being retried
 //! is answered, and every acknowledged Complete is replayed through
@@ -69,6 +72,8 @@ struct Options {
     health: Vec<String>,
     verify: Option<String>,
     events: Vec<(String, String)>,
+    /// Run (and waited for) before each event, its time not counted.
+    before_each: Option<String>,
     tasks: usize,
     steady: Duration,
     duplicates: u32,
@@ -100,6 +105,7 @@ fn parse_options(args: &[String]) -> Result<Options, String> {
         health: Vec::new(),
         verify: None,
         events: Vec::new(),
+        before_each: None,
         tasks: 32,
         steady: Duration::from_secs(5),
         duplicates: 20,
@@ -120,6 +126,7 @@ fn parse_options(args: &[String]) -> Result<Options, String> {
                     .ok_or_else(|| format!("--event takes NAME=COMMAND, not {value}"))?;
                 options.events.push((name.to_owned(), command.to_owned()));
             }
+            "--before-each" => options.before_each = Some(value.clone()),
             "--tasks" => options.tasks = value.parse().map_err(|_| "--tasks: a number")?,
             "--steady" => options.steady = parse_duration(value)?,
             "--duplicates" => {
@@ -545,24 +552,25 @@ async fn run(options: Options) -> ExitCode {
     );
     tokio::time::sleep(options.steady).await;
     let mut events = Vec::new();
+    let mut command_failed = false;
     for (name, command) in &options.events {
+        if let Some(before) = &options.before_each {
+            if let Err(error) = shell(before).await {
+                eprintln!("ha-check: before {name}: `{before}` {error}");
+                command_failed = true;
+                break;
+            }
+        }
         let at = Instant::now();
         println!(
             "ha-check: {name}: `{command}` at {:.1} s",
             at.duration_since(load_started).as_secs_f64()
         );
-        let command = command.clone();
-        let status = tokio::task::spawn_blocking(move || {
-            std::process::Command::new("sh")
-                .arg("-c")
-                .arg(command)
-                .status()
-        })
-        .await
-        .expect("the event's thread");
+        let outcome = shell(command).await;
         let took = at.elapsed();
-        if !matches!(&status, Ok(status) if status.success()) {
-            eprintln!("ha-check: {name}: the command failed: {status:?}");
+        if let Err(error) = outcome {
+            eprintln!("ha-check: {name}: `{command}` {error}");
+            command_failed = true;
         }
         let quiet_at = loop {
             let now = Instant::now();
@@ -620,12 +628,35 @@ async fn run(options: Options) -> ExitCode {
         lease: options.lease,
         health: &options.health,
     };
-    if report.print(verified.as_ref()) {
+    let mut pass = report.print(verified.as_ref());
+    if command_failed {
+        println!("  CHECK FAILED: an event's command failed (above)");
+        pass = false;
+    }
+    if pass {
         println!("ha-check: PASS");
         ExitCode::SUCCESS
     } else {
         println!("ha-check: FAIL");
         ExitCode::FAILURE
+    }
+}
+
+/// Runs `command` with `sh -c`, its output going to ours.
+async fn shell(command: &str) -> Result<(), String> {
+    let command = command.to_owned();
+    let status = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("sh")
+            .arg("-c")
+            .arg(command)
+            .status()
+    })
+    .await
+    .expect("the command's thread");
+    match status {
+        Ok(status) if status.success() => Ok(()),
+        Ok(status) => Err(format!("failed: {status}")),
+        Err(error) => Err(format!("could not run: {error}")),
     }
 }
 
