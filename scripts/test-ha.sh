@@ -265,7 +265,7 @@ done
 
 # The cluster as patronictl sees it: "name role state" per member.
 members() {
-  patronictl -c "$dir/node1.yml" list -f json 2>/dev/null | python3 -c '
+  patronictl -c "$dir/node1.yml" list -f json 2>/dev/null | /usr/bin/python3 -c '
 import json, sys
 for m in json.load(sys.stdin):
     print(m["Member"], m["Role"].replace(" ", "_"), m["State"])'
@@ -447,7 +447,7 @@ say "session advisory locks still held after the client's session through transa
 
 # The database errors in a server's JSON log, counted, statement names elided.
 database_errors() {
-  python3 - "$1" <<'EOF'
+  /usr/bin/python3 - "$1" <<'EOF'
 import collections, json, re, sys
 seen = collections.Counter()
 def note(message):

@@ -554,12 +554,12 @@ async fn run(options: Options) -> ExitCode {
     let mut events = Vec::new();
     let mut command_failed = false;
     for (name, command) in &options.events {
-        if let Some(before) = &options.before_each {
-            if let Err(error) = shell(before).await {
-                eprintln!("ha-check: before {name}: `{before}` {error}");
-                command_failed = true;
-                break;
-            }
+        if let Some(before) = &options.before_each
+            && let Err(error) = shell(before).await
+        {
+            eprintln!("ha-check: before {name}: `{before}` {error}");
+            command_failed = true;
+            break;
         }
         let at = Instant::now();
         println!(
