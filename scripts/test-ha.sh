@@ -28,6 +28,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
+# haproxy and pgbouncer install into /usr/sbin, which a user's PATH may lack.
+PATH=$PATH:/usr/sbin:/sbin
 
 say() { printf 'test-ha: %s\n' "$*" >&2; }
 
@@ -65,11 +67,15 @@ install_packages() {
   chmod 755 "$policy"
   local status=0
   apt-get update -qq >&2 || status=$?
+  local log
+  log=$(mktemp)
   if [ "$status" = 0 ]; then
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >&2 || status=$?
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >"$log" 2>&1 || status=$?
   fi
   if [ -n "$saved" ]; then mv "$saved" "$policy"; else rm -f "$policy"; fi
-  [ "$status" = 0 ] || { say "apt-get install $* failed"; exit 1; }
+  [ "$status" = 0 ] || { cat "$log" >&2; rm -f "$log"; say "apt-get install $* failed"; exit 1; }
+  grep -E 'policy-rc.d denied|^Setting up' "$log" | sed 's/^/test-ha: apt: /' >&2 || true
+  rm -f "$log"
   if [ -d /run/systemd/system ]; then
     systemctl disable --now etcd haproxy pgbouncer >/dev/null 2>&1 || true
   fi
@@ -130,8 +136,10 @@ cleanup() {
     local log
     for log in "$dir"/*.log; do
       [ -f "$log" ] || continue
-      printf '\n--- %s\n' "$log" >&2
-      tail -n 25 "$log" >&2
+      printf '\n--- %s (first errors, last lines)\n' "$log" >&2
+      grep -m 5 -E '"level":"ERROR"|panicked|^Error|FATAL|CRITICAL' "$log" | cut -c1-600 >&2 || true
+      printf '...\n' >&2
+      tail -n 15 "$log" | cut -c1-600 >&2
     done
     if [ -n "${HA_KEEP:-}" ]; then say "kept $dir"; exit "$status"; fi
   fi
