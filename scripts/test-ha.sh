@@ -349,18 +349,37 @@ wait_for 30 "PgBouncer (session) reaching the primary" \
 # --- the servers ----------------------------------------------------------------
 # Interval 1 s: NOT_SERVING within 2 s of the database not answering.
 declare -A grpc_addr health_addr
+# Starts server $1 on database URL $2 (more flags after), and waits until
+# its health port accepts connections. A port taken by another process
+# between free_port and the bind makes the server exit at once: then again
+# on other ports.
 server() {
   local name=$1 url=$2
   shift 2
-  local grpc health metrics
-  free_port grpc
-  free_port health
-  free_port metrics
-  grpc_addr[$name]=127.0.0.1:$grpc
-  health_addr[$name]=127.0.0.1:$health
-  start "$name" "$server_bin" serve --database-url "$url" --grpc-addr "${grpc_addr[$name]}" \
-    --health-addr "${health_addr[$name]}" --metrics-addr "127.0.0.1:$metrics" \
-    --health-check-interval 1s --log-format json --log-level warn "$@"
+  local grpc health metrics attempt pid deadline
+  for attempt in 1 2 3; do
+    free_port grpc
+    free_port health
+    free_port metrics
+    grpc_addr[$name]=127.0.0.1:$grpc
+    health_addr[$name]=127.0.0.1:$health
+    start "$name" "$server_bin" serve --database-url "$url" --grpc-addr "${grpc_addr[$name]}" \
+      --health-addr "${health_addr[$name]}" --metrics-addr "127.0.0.1:$metrics" \
+      --health-check-interval 1s --log-format json --log-level warn "$@"
+    pid=$(cat "$dir/$name.pid")
+    deadline=$((SECONDS + 60))
+    while kill -0 "$pid" 2>/dev/null && port_is_free "$health" && [ "$SECONDS" -lt "$deadline" ]; do
+      sleep 0.1
+    done
+    if kill -0 "$pid" 2>/dev/null && ! port_is_free "$health"; then return 0; fi
+    if grep -qi 'address already in use' "$dir/$name.log"; then
+      say "server $name: a port was taken (attempt $attempt); again on others"
+      continue
+    fi
+    say "server $name did not start listening"
+    return 1
+  done
+  return 1
 }
 server a "$primary_url" --migrate
 "$check_bin" wait-serving --health "${health_addr[a]}" --within 60s
