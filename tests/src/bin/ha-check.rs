@@ -38,7 +38,7 @@
 //! acknowledged Complete, or no recovery in time.
 
 use std::{
-    collections::{BTreeMap, HashMap, VecDeque},
+    collections::{BTreeMap, HashMap, HashSet, VecDeque},
     process::ExitCode,
     sync::{
         Arc, Mutex,
@@ -670,6 +670,8 @@ struct Verified {
     lost: usize,
     /// Another answer (IN_PROGRESS, FAILED), or no answer at all.
     other: usize,
+    /// The keys that replayed with their acknowledged response.
+    replayed: HashSet<String>,
 }
 
 /// A key and the response its acknowledged Complete stored.
@@ -715,6 +717,7 @@ async fn verify(record: &Record, addr: &str, concurrency: usize) -> Verified {
                     Some(Outcome::Completed(completed)) => {
                         if completed.response.map(|r| r.body) == Some(body) {
                             result.same += 1;
+                            result.replayed.insert(key);
                         } else {
                             result.different += 1;
                         }
@@ -773,7 +776,7 @@ impl Report<'_> {
         for (outcome, count) in &record.outcomes {
             println!("  {outcome}: {count}");
         }
-        pass &= self.print_phases();
+        pass &= self.print_phases(verified);
         for event in self.events {
             pass &= self.print_event(event);
         }
@@ -822,9 +825,11 @@ impl Report<'_> {
     /// Per phase: acknowledged Completes, and failed calls by RPC and code.
     /// Fails on a phase outside an event with nothing acknowledged, and on
     /// any failed call whose code is not retryable.
-    fn print_phases(&self) -> bool {
+    fn print_phases(&self, verified: Option<&Verified>) -> bool {
         let mut pass = true;
-        println!("per phase (acknowledged Completes; failed call attempts by RPC and gRPC code):");
+        println!(
+            "per phase (Completes acknowledged, and replayed afterwards with the same response; failed call attempts by RPC and gRPC code):"
+        );
         let phases = self.phases();
         for (index, (name, start, end)) in phases.iter().enumerate() {
             let last = index + 1 == phases.len();
@@ -835,6 +840,16 @@ impl Report<'_> {
                 .iter()
                 .filter(|(_, _, at)| within(*at))
                 .count();
+            let replayed = match verified {
+                Some(verified) => self
+                    .record
+                    .acks
+                    .iter()
+                    .filter(|(key, _, at)| within(*at) && verified.replayed.contains(key))
+                    .count()
+                    .to_string(),
+                None => "-".to_owned(),
+            };
             let mut codes: BTreeMap<String, usize> = BTreeMap::new();
             let mut forbidden = 0;
             for call in self
@@ -855,7 +870,7 @@ impl Report<'_> {
                 .collect::<Vec<_>>()
                 .join(", ");
             println!(
-                "  {name:<28} {:>5.1} s {acks:>6} acknowledged {failed:>6} failed{}",
+                "  {name:<28} {:>5.1} s {acks:>6} acknowledged {replayed:>6} replayed {failed:>5} failed{}",
                 seconds(*start, *end),
                 if detail.is_empty() {
                     String::new()
