@@ -100,7 +100,8 @@ if [ "${HA_STAGE:-}" != run ]; then
     id postgres >/dev/null 2>&1 ||
       useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin postgres
     exec runuser -u postgres -- env HA_STAGE=run PATH="$PATH" HA_STEADY="${HA_STEADY:-}" \
-      HA_TASKS="${HA_TASKS:-}" HA_KEEP="${HA_KEEP:-}" CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-}" \
+      HA_TASKS="${HA_TASKS:-}" HA_KEEP="${HA_KEEP:-}" HA_SSLMODE="${HA_SSLMODE:-}" \
+      HA_SYNC_STRICT="${HA_SYNC_STRICT:-}" CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-}" \
       bash "$repo/scripts/test-ha.sh"
   fi
 fi
@@ -216,10 +217,9 @@ wait_for 30 "etcd answering" etcdctl --endpoints "127.0.0.1:$etcd_port" endpoint
 # ttl, as Patroni's docs ask): the leader key of a dead primary expires
 # within 6 s. synchronous_mode: a Complete is acknowledged only once a
 # standby has its commit, and only that standby may be promoted.
-# synchronous_mode_strict stays off: with 3 nodes there is always a
-# synchronous standby to wait for but while the standby re-follows a new
-# primary; strict would then stop every write (see docs/operations.md).
-# fsync stays on: durability is what is tested.
+# synchronous_mode_strict off (HA_SYNC_STRICT=true turns it on): see
+# docs/operations.md, "Failover, tested". fsync stays on: durability is
+# what is tested.
 for node in 1 2 3; do
   cat >"$dir/node$node.yml" <<EOF
 scope: ha
@@ -236,7 +236,7 @@ bootstrap:
     retry_timeout: 2
     maximum_lag_on_failover: 1048576
     synchronous_mode: true
-    synchronous_mode_strict: false
+    synchronous_mode_strict: ${HA_SYNC_STRICT:-false}
     postgresql:
       use_pg_rewind: true
       parameters:
