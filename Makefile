@@ -19,3 +19,11 @@ bench:
 .PHONY: memory-check
 memory-check:
 	scripts/memory-check.sh
+
+# The service through a Postgres failover and a planned switchover under load
+# (etcd, Patroni with synchronous replication, HAProxy, PgBouncer; installed
+# from Debian's packages when missing): nothing acknowledged may be lost.
+# Also run by `make test`. See docs/operations.md, "Failover, tested".
+.PHONY: test-ha
+test-ha:
+	scripts/test-ha.sh

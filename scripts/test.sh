@@ -2,7 +2,7 @@
 # Every check CI runs: proto lint, deployment checks (Helm chart, Kubernetes
 # schemas, alert rules), formatting, lints, the binary's commands, all
 # tests against a real Postgres (DATABASE_URL, from scripts/with-postgres.sh),
-# and the Python client's tests against the built server.
+# the Python client's tests against the built server, and the failover test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,5 +25,8 @@ cargo nextest run --workspace --all-features --locked --no-fail-fast
 # The Python client (clients/python) against the real server, and the
 # fingerprint vectors it shares with the Rust client.
 scripts/test-python.sh
+# Postgres failover and switchover under load, nothing lost (its own
+# cluster: Patroni, etcd, HAProxy, PgBouncer; DATABASE_URL is not used).
+scripts/test-ha.sh
 # The README's sessions, pasted into a shell against a fresh server.
 scripts/check-readme.sh
