@@ -94,8 +94,8 @@ if [ "${HA_STAGE:-}" != run ]; then
       exit 1
     fi
   fi
-  cargo build --locked -q -p idempotency-server --bin idempotencyd
-  cargo build --locked -q -p idempotency-tests --bin ha-check
+  # The features of make test's build, so that the two share their crates.
+  cargo build --locked -q --workspace --all-features --bin idempotencyd --bin ha-check
   if [ "$(id -u)" = 0 ]; then
     id postgres >/dev/null 2>&1 ||
       useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin postgres
@@ -310,10 +310,12 @@ EOF
   done
 } >"$dir/haproxy.cfg"
 start haproxy haproxy -f "$dir/haproxy.cfg" -db
-# sslmode=disable: see "TLS negotiation" in the report of this script's
-# commit; with the default (prefer), sqlx reads HAProxy closing a connection
-# it has no primary for as a protocol error.
-primary_url="postgres://postgres@127.0.0.1:$haproxy_port/postgres?sslmode=${HA_SSLMODE:-disable}"
+# The URLs keep the default sslmode (prefer), as a user's would: while HAProxy
+# has no primary it accepts connections and closes them during the TLS
+# negotiation, which the server must answer UNAVAILABLE (retryable), not
+# INTERNAL. HA_SSLMODE sets another.
+ssl_param=${HA_SSLMODE:+?sslmode=$HA_SSLMODE}
+primary_url="postgres://postgres@127.0.0.1:$haproxy_port/postgres$ssl_param"
 wait_for 30 "HAProxy reaching the primary" "$pg_bin/pg_isready" -q -d "$primary_url"
 
 # --- PgBouncer, in session and transaction mode -------------------------------
@@ -383,7 +385,7 @@ server() {
 }
 server a "$primary_url" --migrate
 "$check_bin" wait-serving --health "${health_addr[a]}" --within 60s
-server b "postgres://postgres@127.0.0.1:$bouncer_session/postgres?sslmode=${HA_SSLMODE:-disable}"
+server b "postgres://postgres@127.0.0.1:$bouncer_session/postgres$ssl_param"
 server verifier "$primary_url" --replay-cache-bytes 0
 "$check_bin" wait-serving --health "${health_addr[b]},${health_addr[verifier]}" --within 60s
 

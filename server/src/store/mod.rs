@@ -272,8 +272,13 @@ impl Db {
         let started = std::time::Instant::now();
         let connection = self.pool.acquire().await;
         metrics::histogram!(DB_POOL_WAIT_SECONDS).record(started.elapsed().as_secs_f64());
+        // No connection says nothing about the request, whatever the error:
+        // during a failover a proxy with no primary behind it accepts and
+        // closes connections, which sqlx reports as a protocol error (the
+        // TLS negotiation's "unexpected response from SSLRequest").
+        let connection = connection.map_err(|error| StoreError::Unavailable(Arc::new(error)))?;
         Ok(Connection {
-            inner: Some(connection?),
+            inner: Some(connection),
             in_statement: false,
             read_only: false,
             bound: self.bound,
