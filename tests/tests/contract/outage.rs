@@ -310,3 +310,30 @@ async fn a_read_only_database_is_not_serving_and_no_read_only_connection_outlive
         }
     }
 }
+
+/// HAProxy with no primary to route to (mid-failover) accepts a connection,
+/// reads the client's first message and closes it. sqlx reads that as a
+/// protocol error in the TLS negotiation; the call must still be one the
+/// client retries.
+#[tokio::test]
+async fn a_database_address_that_accepts_and_closes_connections_answers_unavailable_not_internal() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut first = [0u8; 8];
+                let _ = tokio::io::AsyncReadExt::read(&mut socket, &mut first).await;
+            });
+        }
+    });
+    let mut settings = idempotency_tests::settings_for(&format!("postgres://idem@{addr}/idem"));
+    settings.database.db_acquire_timeout = Duration::from_millis(500);
+    let server = TestServer::start_with(settings).await;
+    let mut client = server.client.clone();
+
+    let refused = try_acquire(&mut client, &record_id(&unique_key("no-primary")), b"").await;
+
+    assert_error(refused, Code::Unavailable, "DATABASE_UNAVAILABLE");
+    server.stop().await;
+}
