@@ -224,10 +224,19 @@ def soak_table(events, settings):
     return out, summary
 
 
+def pg_units(settings):
+    """'262144' with unit '8kB' reads as 2097152kB (the script pasted unit after setting)."""
+    for name, value in settings.items():
+        if isinstance(value, str) and value.endswith("8kB") and value[:-3].isdigit():
+            settings[name] = "%dMB" % (int(value[:-3]) * 8 // 1024)
+    return settings
+
+
 def summary(raw, meta, out_prefix, settings_json):
     runs = load(raw)
     events = load(meta)
     settings = json.loads(settings_json)
+    pg_units(settings["postgres"])
     lines = ["# bench-scale %s (`%s`)" % (settings["timestamp"], settings["git_commit"]), "",
              "Postgres %s: %s; %s callers, %s s per measurement, medians of %s." % (
                  settings["postgres"].get("server_version"),

@@ -29,9 +29,11 @@
 # samples in the JSON. Other load on the machine is measured around every
 # measurement, as `make bench` does.
 #
-# Postgres runs with SCALE_PG_OPTIONS (default: shared_buffers=2GB,
-# max_wal_size=4GB, pg_stat_statements, track_io_timing): a production-like
-# setting for a table of tens of GB, the same for every size.
+# Postgres runs with shared_buffers=2GB, max_wal_size=4GB, pg_stat_statements
+# and track_io_timing (a production-like setting for a table of tens of GB,
+# the same for every size), plus SCALE_PG_OPTIONS (e.g. "-c
+# shared_buffers=256MB": a later -c wins). The servers' and the reaper's logs
+# are kept in target/bench/scale-<timestamp>.logs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,7 +49,7 @@ if [ -z "${BENCH_INNER:-}" ]; then
   cargo build --release --locked -p idempotency-server -p idempotency-bench
   say "disk before: $(df -h --output=avail "${TMPDIR:-/tmp}" | tail -n 1 | tr -d ' ') free in ${TMPDIR:-/tmp}"
   status=0
-  env -u DATABASE_URL BENCH_INNER=1 PG_FSYNC=on PG_OPTIONS="${SCALE_PG_OPTIONS:-$default_pg_options}" \
+  env -u DATABASE_URL BENCH_INNER=1 PG_FSYNC=on PG_OPTIONS="$default_pg_options ${SCALE_PG_OPTIONS:-}" \
     scripts/with-postgres.sh "$0" "$@" || status=$?
   say "took $(($(date +%s) - started)) s"
   exit "$status"
@@ -100,6 +102,8 @@ cleanup() {
     kill -KILL "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
   done
+  mkdir -p "$out_dir/scale-$stamp.logs"
+  cp "$work"/*.log "$out_dir/scale-$stamp.logs/" 2>/dev/null || true
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -111,7 +115,7 @@ if [ "$fsync" != on ] || [ "$sync_commit" != on ]; then
   say "refusing to measure without fsync=on and synchronous_commit=on"
   exit 1
 fi
-pg_settings=$(sql "SELECT json_object_agg(name, setting || coalesce(unit, '')) FROM pg_settings
+pg_settings=$(sql "SELECT json_object_agg(name, current_setting(name)) FROM pg_settings
   WHERE name IN ('server_version', 'shared_buffers', 'max_wal_size', 'checkpoint_timeout', 'work_mem',
                  'maintenance_work_mem', 'effective_cache_size', 'wal_sync_method', 'fsync',
                  'synchronous_commit', 'full_page_writes', 'autovacuum', 'max_connections')")
@@ -170,31 +174,47 @@ measure() { # part label extra-args...
 
 # Rows as the service stores a completed record: namespace 'bench',
 # operation 'POST /bench', a subject among user-0 .. user-<subjects-1>, a
-# random UUID key, a 32-byte fingerprint, a 256-byte body, expiring at
-# now() + the given offset range (seconds). One statement per $chunk rows.
-load_rows() { # rows min-offset-s max-offset-s
-  local rows=$1 lo=$2 hi=$3 done=0 n t0
+# random UUID key, a 32-byte fingerprint, a 256-byte body, expiring between
+# now() + min and now() + max seconds, later for rows loaded later (as
+# expiries grow with time). One statement per $chunk rows, its rows sorted by
+# key: each statement still lands all over the primary key index (so its pages
+# split as under random inserts), but visits each page once, so the load
+# writes a full-page image per page and checkpoint rather than per row. The
+# load's own session compresses its WAL (wal_compression=lz4); the
+# measurements run without. Stops early, saying so, when fewer than
+# SCALE_MIN_FREE_GB (5) GB are left on the cluster's disk.
+load_rows() { # rows min-offset-s max-offset-s; prints the rows loaded and the seconds
+  local rows=$1 lo=$2 hi=$3 done=0 n t0 free_kb
   t0=$(date +%s.%N)
   while [ "$done" -lt "$rows" ]; do
+    free_kb=$(df --output=avail "$data_dir" | tail -n 1)
+    if [ "$free_kb" -lt $((${SCALE_MIN_FREE_GB:-5} * 1048576)) ]; then
+      say "  only $((free_kb / 1048576)) GB left on the disk: stopping the load at $done rows"
+      break
+    fi
     n=$((rows - done < chunk ? rows - done : chunk))
-    sql "INSERT INTO idempotency_records
+    sql "SET wal_compression = lz4; SET work_mem = '512MB';
+         INSERT INTO idempotency_records
            (namespace, operation, subject, key, state, fingerprint, fencing_token, created_at,
             expires_at, lease_expires_at, completed_at, response_status, response_body, response_headers)
-         SELECT 'bench', 'POST /bench', 'user-' || (random() * ($subjects - 1))::int,
-                gen_random_uuid()::text, 'completed',
+         SELECT 'bench', 'POST /bench', subject, key, 'completed',
                 '\\x000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f'::bytea,
                 idempotency_lifetime_token(), now(),
-                now() + make_interval(secs => $lo + random() * ($hi - $lo)), NULL, now(), 201,
-                convert_to(repeat('x', $payload), 'UTF8'), '{}'
-         FROM generate_series(1, $n)"
+                now() + make_interval(secs => $lo + ($hi - $lo) * ($done + row_number() OVER ())::float8 / $rows),
+                NULL, now(), 201, convert_to(repeat('x', $payload), 'UTF8'), '{}'
+         FROM (SELECT 'user-' || (random() * ($subjects - 1))::int AS subject, gen_random_uuid()::text AS key
+               FROM generate_series(1, $n) ORDER BY 1, 2) AS k"
     done=$((done + n))
     say "  loaded $done / $rows rows ($(python3 -c "import time; print(round($done / (time.time() - $t0)))") rows/s)"
   done
-  python3 -c "import time; print(round(time.time() - $t0, 1))"
+  echo "$done $(python3 -c "import time; print(round(time.time() - $t0, 1))")"
 }
 
 # The table's state and what Postgres did since the last reset, as JSON.
 snapshot() {
+  sql_snapshot || echo null
+}
+sql_snapshot() {
   sql "SELECT json_build_object(
      'rows', (SELECT count(*) FROM idempotency_records),
      'total_bytes', pg_total_relation_size('idempotency_records'),
@@ -240,13 +260,17 @@ if part sizes; then
   loaded=0
   for size in $sizes; do
     if [ "$size" -gt "$loaded" ]; then
-      say "loading $((size - loaded)) live rows (table: $loaded -> $size)"
-      load_s=$(load_rows $((size - loaded)) 7200 86400)
+      [ -z "${disk_full:-}" ] || break
+      want=$((size - loaded))
+      say "loading $want live rows (table: $loaded -> $size)"
+      read -r got load_s < <(load_rows "$want" 7200 86400)
+      [ -n "${load_s:-}" ] || { say "the load failed"; exit 1; }
       say "  VACUUM (ANALYZE)"
       t0=$(date +%s)
       sql "VACUUM (ANALYZE) idempotency_records"
-      note "{\"event\": \"load\", \"to_rows\": $size, \"rows\": $((size - loaded)), \"seconds\": $load_s, \"vacuum_seconds\": $(($(date +%s) - t0))}"
-      loaded=$size
+      note "{\"event\": \"load\", \"to_rows\": $((loaded + got)), \"rows\": $got, \"seconds\": $load_s, \"vacuum_seconds\": $(($(date +%s) - t0))}"
+      loaded=$((loaded + got))
+      if [ "$got" -lt "$want" ]; then disk_full=1 size=$loaded; say "  measuring at $loaded rows instead"; fi
     fi
     # One untimed run: the pool connected, the statements prepared on this table.
     "$bench_bin" --endpoint "$endpoint" --scenario new-keys --concurrency "$concurrency" --duration 3s \
@@ -286,7 +310,8 @@ if part reaper || part soak; then
 fi
 if part reaper; then
   say "loading a backlog of $backlog expired rows"
-  load_s=$(load_rows "$backlog" -86400 -60)
+  read -r backlog load_s < <(load_rows "$backlog" -86400 -60)
+  [ -n "${load_s:-}" ] || { say "the load failed"; exit 1; }
   sql "VACUUM (ANALYZE) idempotency_records"
   note "{\"event\": \"load\", \"to_rows\": $backlog, \"rows\": $backlog, \"seconds\": $load_s, \"expired\": true}"
   note "{\"event\": \"snapshot\", \"size\": \"backlog\", \"state\": $(snapshot)}"
