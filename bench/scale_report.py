@@ -86,10 +86,13 @@ def ms(us):
 
 
 def sizes_table(runs, events):
+    """Each size against the reference (an empty table measured alternately
+    beside it), and against this table when it was empty."""
     rows = [r for r in runs if r["part"] == "sizes"]
     if not rows:
         return [], {}
     snaps = {e["size"]: e["state"] for e in events if e["event"] == "snapshot"}
+    refs = {e["size"]: e["rows"] for e in events if e["event"] == "reference"}
     loads = {e["to_rows"]: e for e in events if e["event"] == "load" and not e.get("expired")}
     labels = []
     for r in rows:
@@ -98,43 +101,66 @@ def sizes_table(runs, events):
     base = [r for r in rows if r["label"] == labels[0]]
     base_rate = median([r["ops_per_sec"] for r in base])
     base_p99 = median([r["acquire_p99_us"] for r in base])
-    out = ["| Live rows preloaded | pairs/s (each run) | vs empty | Acquire p50 / p99 ms | p99 vs empty "
-           "| bytes/key: total (heap + indexes + TOAST) | PK index levels | blocks read from outside "
-           "shared_buffers | checkpoints | autovacuums | other load % |",
-           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| Live rows | pairs/s: this table (each run) | reference (each run) | **vs reference** (per repetition) "
+           "| Acquire p99 ms: this table / reference | **p99 vs reference** | vs this table empty: pairs/s, p99 "
+           "| other load %, this table / reference |",
+           "|---:|---|---|---:|---:|---:|---:|---|"]
+    disk = ["| Live rows | bytes/key: total = heap + indexes + TOAST | row (pg_column_size) | PK index levels "
+            "| PK / expires_at index MB | blocks read from outside shared_buffers (of all) | checkpoints | autovacuums |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     summary = {}
     for label in labels:
         rs = [r for r in rows if r["label"] == label]
+        ref = [r for r in runs if r["part"] == "reference" and r["label"] == label]
         rate, p50, p99 = (median([r[k] for r in rs]) for k in ("ops_per_sec", "acquire_p50_us", "acquire_p99_us"))
-        s = snaps.get(int(label), {})
+        ref_rate, ref_p99 = (median([r[k] for r in ref]) for k in ("ops_per_sec", "acquire_p99_us"))
+        per_rep = [round(a["ops_per_sec"] / b["ops_per_sec"], 2) for a, b in zip(rs, ref) if b["ops_per_sec"]]
+        per_rep_p99 = [round(a["acquire_p99_us"] / b["acquire_p99_us"], 2) for a, b in zip(rs, ref)
+                       if b["acquire_p99_us"]]
+        s = snaps.get(int(label), {}) or {}
         n = s.get("rows") or 1
         io = s.get("stat_io") or {}
         hit = sum(io.get(k) or 0 for k in ("heap_blks_hit", "idx_blks_hit", "toast_blks_hit"))
         read = sum(io.get(k) or 0 for k in ("heap_blks_read", "idx_blks_read", "toast_blks_read"))
         bg = s.get("bgwriter") or {}
         st = s.get("stat_table") or {}
-        per_key = {k: round(s.get(k + "_bytes", 0) / n) for k in ("total", "heap", "index", "toast")}
+        per_key = {k: round((s.get(k + "_bytes") or 0) / n) for k in ("total", "heap", "index", "toast")}
         summary[label] = {
-            "preloaded_rows": int(label), "rows_after": s.get("rows"), "pairs_per_sec": rate,
-            "pairs_per_sec_runs": [r["ops_per_sec"] for r in rs],
+            "preloaded_rows": int(label), "rows_after": s.get("rows"), "reference_rows_after": refs.get(int(label)),
+            "pairs_per_sec": rate, "pairs_per_sec_runs": [r["ops_per_sec"] for r in rs],
+            "reference_pairs_per_sec": ref_rate, "reference_runs": [r["ops_per_sec"] for r in ref],
+            "ratio_to_reference": round(rate / ref_rate, 3) if ref_rate else None,
+            "ratios_per_repeat": per_rep, "ratio_per_repeat_median": median(per_rep),
+            "acquire_p50_us": p50, "acquire_p99_us": p99, "acquire_p99_runs_us": [r["acquire_p99_us"] for r in rs],
+            "reference_acquire_p99_us": ref_p99,
+            "reference_acquire_p99_runs_us": [r["acquire_p99_us"] for r in ref],
+            "p99_ratio_to_reference": round(p99 / ref_p99, 3) if ref_p99 else None,
+            "p99_ratios_per_repeat": per_rep_p99,
             "ratio_to_empty": round(rate / base_rate, 3) if base_rate else None,
-            "acquire_p50_us": p50, "acquire_p99_us": p99,
-            "acquire_p99_runs_us": [r["acquire_p99_us"] for r in rs],
             "p99_ratio_to_empty": round(p99 / base_p99, 3) if base_p99 else None,
             "bytes_per_key": per_key, "avg_row_bytes": s.get("avg_row_bytes"),
             "pkey_levels": s.get("pkey_levels"), "blocks_hit": hit, "blocks_read": read,
             "other_cpu_busy_runs": [r["other_cpu_busy"] for r in rs],
+            "reference_other_cpu_busy_runs": [r["other_cpu_busy"] for r in ref],
+            "statements": s.get("statements"), "bgwriter": bg, "stat_table": st,
             "load": loads.get(int(label)),
         }
-        out.append("| %s | %s (%s) | **%.2f** | %s / %s | **%.2f** | %s (%s + %s + %s) | %s | %s of %s (%.2f %%) | %s | %s | %s |" % (
+        out.append("| %s | %s (%s) | %s (%s) | **%s** (%s) | %s / %s | **%s** (%s) | %s, %s | %s / %s |" % (
             fmt(int(label)), fmt(rate), ", ".join(fmt(r["ops_per_sec"]) for r in rs),
-            rate / base_rate if base_rate else 0, ms(p50), ms(p99), p99 / base_p99 if base_p99 else 0,
-            fmt(per_key["total"]), fmt(per_key["heap"]), fmt(per_key["index"]), fmt(per_key["toast"]),
-            s.get("pkey_levels", "–"), fmt(read), fmt(read + hit), 100 * read / max(1, read + hit),
+            fmt(ref_rate), ", ".join(fmt(r["ops_per_sec"]) for r in ref),
+            fmt(rate / ref_rate if ref_rate else None, 2), ", ".join("%.2f" % x for x in per_rep),
+            ms(p99), ms(ref_p99), fmt(p99 / ref_p99 if ref_p99 else None, 2), ", ".join("%.2f" % x for x in per_rep_p99),
+            fmt(rate / base_rate if base_rate else None, 2), fmt(p99 / base_p99 if base_p99 else None, 2),
+            ", ".join(fmt(100 * (r["other_cpu_busy"] or 0)) for r in rs),
+            ", ".join(fmt(100 * (r["other_cpu_busy"] or 0)) for r in ref)))
+        disk.append("| %s | %s = %s + %s + %s | %s | %s | %s / %s | %s of %s (%.2f %%) | %s | %s |" % (
+            fmt(int(label)), fmt(per_key["total"]), fmt(per_key["heap"]), fmt(per_key["index"]),
+            fmt(per_key["toast"]), s.get("avg_row_bytes", "–"), s.get("pkey_levels", "–"),
+            fmt((s.get("pkey_bytes") or 0) / 1e6), fmt((s.get("expires_idx_bytes") or 0) / 1e6),
+            fmt(read), fmt(read + hit), 100 * read / max(1, read + hit),
             (bg.get("checkpoints_timed") or 0) + (bg.get("checkpoints_req") or 0),
-            st.get("autovacuum_count", "–"),
-            ", ".join(fmt(100 * (r["other_cpu_busy"] or 0)) for r in rs)))
-    return out, summary
+            st.get("autovacuum_count", "–")))
+    return out + [""] + disk, summary
 
 
 def reaper_table(runs, events):

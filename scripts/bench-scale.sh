@@ -8,7 +8,8 @@
 #           callers with 0, then 10 and 30 million live rows in the table
 #           (SCALE_ROWS, loaded one step after the other with
 #           INSERT ... SELECT FROM generate_series, then VACUUM ANALYZE):
-#           pairs/s and Acquire p99 as ratios to the empty table, bytes per
+#           pairs/s and Acquire p99 as ratios to an empty table measured
+#           alternately beside it (a second database, a second server), bytes per
 #           key on disk, and what Postgres did meanwhile (pg_stat_statements,
 #           buffer hits and reads, checkpoints, autovacuum, index depth).
 #   reaper: the maximum pairs/s, then a backlog of REAPER_BACKLOG (5M)
@@ -135,7 +136,8 @@ start_server() { # log-name extra serve flags...; sets server_pid and endpoint
   metrics_port=$(free_port)
   while [ "$metrics_port" = "$grpc_port" ]; do metrics_port=$(free_port); done
   # shellcheck disable=SC2086 # server_args is a list of flags
-  "$server_bin" serve --grpc-addr "127.0.0.1:$grpc_port" --metrics-addr "127.0.0.1:$metrics_port" \
+  DATABASE_URL=${server_db_url:-$DATABASE_URL} \
+    "$server_bin" serve --grpc-addr "127.0.0.1:$grpc_port" --metrics-addr "127.0.0.1:$metrics_port" \
     --worker-threads "${BENCH_SERVER_THREADS:-1}" --drain-timeout 5s --log-format json $server_args "$@" \
     >"$log" 2>&1 &
   server_pid=$!
@@ -243,6 +245,7 @@ sql_snapshot() {
                      round(blk_read_time::numeric, 1) AS read_ms, round(blk_write_time::numeric, 1) AS write_ms,
                      wal_bytes
                      FROM pg_stat_statements WHERE calls > 100 AND query ILIKE '%idempotency_records%'
+                       AND dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
                      ORDER BY total_exec_time DESC LIMIT 6) s))
    FROM pg_class c WHERE c.relname = 'idempotency_records'"
 }
@@ -254,9 +257,24 @@ meta_file="$out_dir/scale-$stamp.events.jsonl"
 note() { printf '%s\n' "$1" | tr '\n' ' ' >>"$meta_file"; echo >>"$meta_file"; } # one JSON object a line
 
 # ---------------------------------------------------------------- sizes --
+# Two servers on the same cluster: one on the table that grows, one on the
+# same table in a second database that stays (nearly) empty, the
+# reference. Their measurements alternate (reference first in odd
+# repetitions, last in even ones), so that both see the same minutes of this
+# shared machine and of Postgres (its WAL, its checkpoints, its CPU): each
+# size is compared with the reference measured beside it. At size 0 both
+# tables are empty, which shows how far two identical setups differ here.
 if part sizes; then
+  ref_url="${DATABASE_URL%/*}/reference"
+  sql "CREATE DATABASE reference" >/dev/null
+  DATABASE_URL=$ref_url "$server_bin" migrate >"$work/migrate-reference.log" 2>&1 ||
+    { cat "$work/migrate-reference.log" >&2; exit 1; }
   start_server server
-  say "sizes: idempotencyd (pid $server_pid) on $endpoint; reaper off; $repeats x ${seconds}s at $concurrency callers per size"
+  loaded_pid=$server_pid loaded_endpoint=$endpoint
+  server_db_url=$ref_url start_server server-reference
+  ref_pid=$server_pid ref_endpoint=$endpoint
+  say "sizes: idempotencyd (pid $loaded_pid) on the growing table, (pid $ref_pid) on the reference; reaper off;" \
+    "$repeats x ${seconds}s at $concurrency callers per size and server"
   loaded=0
   for size in $sizes; do
     if [ "$size" -gt "$loaded" ]; then
@@ -272,17 +290,24 @@ if part sizes; then
       loaded=$((loaded + got))
       if [ "$got" -lt "$want" ]; then disk_full=1 size=$loaded; say "  measuring at $loaded rows instead"; fi
     fi
-    # One untimed run: the pool connected, the statements prepared on this table.
-    "$bench_bin" --endpoint "$endpoint" --scenario new-keys --concurrency "$concurrency" --duration 3s \
-      --warmup 0s --uuid-keys --subjects "$subjects" --json >/dev/null
+    # One untimed run each: the pools connected, the statements prepared on these tables.
+    for ep in "$loaded_endpoint" "$ref_endpoint"; do
+      "$bench_bin" --endpoint "$ep" --scenario new-keys --concurrency "$concurrency" --duration 3s \
+        --warmup 0s --uuid-keys --subjects "$subjects" --json >/dev/null
+    done
     sql "CHECKPOINT"
     reset_stats
     for rep in $(seq "$repeats"); do
-      sql "CHECKPOINT"
-      measure sizes "$size" --duration "${seconds}s"
+      if ((rep % 2)); then order="reference sizes"; else order="sizes reference"; fi
+      for which in $order; do
+        if [ "$which" = sizes ]; then server_pid=$loaded_pid endpoint=$loaded_endpoint; else server_pid=$ref_pid endpoint=$ref_endpoint; fi
+        sql "CHECKPOINT"
+        measure "$which" "$size" --duration "${seconds}s"
+      done
     done
     note "{\"event\": \"snapshot\", \"size\": $size, \"state\": $(snapshot)}"
-    # The plans and buffers of the two statements a pair runs, on this table.
+    note "{\"event\": \"reference\", \"size\": $size, \"rows\": $(DATABASE_URL=$ref_url sql "SELECT count(*) FROM idempotency_records")}"
+    # The plan and buffers of a new key's insert, on this table.
     sql "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)
          INSERT INTO idempotency_records (namespace, operation, subject, key, state, fingerprint,
            fencing_token, created_at, expires_at, lease_expires_at)
@@ -291,6 +316,9 @@ if part sizes; then
          ON CONFLICT DO NOTHING" >"$work/explain.json"
     note "{\"event\": \"explain_insert\", \"size\": $size, \"plan\": $(cat "$work/explain.json")}"
   done
+  server_pid=$ref_pid
+  stop_server
+  server_pid=$loaded_pid
   stop_server
 fi
 
