@@ -247,16 +247,7 @@ impl Plan {
     /// A fresh key, as `--uuid-keys` and `--subjects` ask.
     fn new_key(&self, rng: &mut fastrand::Rng, index: u64) -> RecordId {
         let key = if self.uuid_keys {
-            // A version 4 UUID: 122 random bits.
-            let (high, low) = (rng.u64(..), rng.u64(..));
-            format!(
-                "{:08x}-{:04x}-4{:03x}-{:04x}-{:012x}",
-                high >> 32,
-                (high >> 16) & 0xffff,
-                high & 0x0fff,
-                0x8000 | (low >> 48) & 0x3fff,
-                low & 0xffff_ffff_ffff
-            )
+            uuid_v4(rng)
         } else {
             format!("n-{}-{index}-{:016x}", self.run, rng.u64(..))
         };
@@ -272,9 +263,7 @@ impl Plan {
     async fn pace(&self) {
         if let Some((interval, handed_out)) = &self.pacing {
             let slot = handed_out.fetch_add(1, Ordering::Relaxed);
-            let at =
-                self.started + interval.saturating_mul(u32::try_from(slot).unwrap_or(u32::MAX));
-            tokio::time::sleep_until(at.into()).await;
+            tokio::time::sleep_until(slot_start(self.started, *interval, slot).into()).await;
         }
     }
 
@@ -293,6 +282,24 @@ impl Plan {
             (None, None) => false,
         }
     }
+}
+
+/// A random version 4 UUID (122 random bits), as text.
+fn uuid_v4(rng: &mut fastrand::Rng) -> String {
+    let (high, low) = (rng.u64(..), rng.u64(..));
+    format!(
+        "{:08x}-{:04x}-4{:03x}-{:04x}-{:012x}",
+        high >> 32,
+        (high >> 16) & 0xffff,
+        high & 0x0fff,
+        0x8000 | (low >> 48) & 0x3fff,
+        low & 0xffff_ffff_ffff
+    )
+}
+
+/// When the operation given `slot` of a `--rate` schedule may start.
+fn slot_start(started: Instant, interval: Duration, slot: u64) -> Instant {
+    started + interval.saturating_mul(u32::try_from(slot).unwrap_or(u32::MAX))
 }
 
 fn outcome_name(acquisition: &Acquisition) -> &'static str {
@@ -665,4 +672,41 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         eprintln!("idempotency-bench: first {code}: {message}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uuid_keys_are_version_4_uuids() {
+        let mut rng = fastrand::Rng::with_seed(7);
+        let keys: Vec<String> = (0..1000).map(|_| uuid_v4(&mut rng)).collect();
+        for key in &keys {
+            let bytes = key.as_bytes();
+            assert_eq!(key.len(), 36, "{key}");
+            for (i, byte) in bytes.iter().enumerate() {
+                match i {
+                    8 | 13 | 18 | 23 => assert_eq!(*byte, b'-', "{key}"),
+                    14 => assert_eq!(*byte, b'4', "{key}"),
+                    19 => assert!(b"89ab".contains(byte), "{key}"),
+                    _ => assert!(
+                        byte.is_ascii_hexdigit() && !byte.is_ascii_uppercase(),
+                        "{key}"
+                    ),
+                }
+            }
+        }
+        let distinct: std::collections::HashSet<_> = keys.iter().collect();
+        assert_eq!(distinct.len(), keys.len());
+    }
+
+    #[test]
+    fn a_rate_schedule_spaces_starts_evenly() {
+        let started = Instant::now();
+        let interval = Duration::from_secs_f64(1.0 / 4000.0);
+        assert_eq!(slot_start(started, interval, 0), started);
+        let second = slot_start(started, interval, 4000) - started;
+        assert!((second.as_secs_f64() - 1.0).abs() < 1e-6, "{second:?}");
+    }
 }
