@@ -25,7 +25,7 @@
 # random UUID keys over SCALE_SUBJECTS (100000) subjects, so that new keys
 # land all over the primary key index as many users' keys do. Each
 # measurement of the sizes and reaper parts runs BENCH_SECONDS (10) and is
-# repeated BENCH_REPEATS (3) times; the tables show medians. Results:
+# repeated BENCH_REPEATS (5) times; the tables show medians. Results:
 # target/bench/scale-<timestamp>.{json,md} and, for the soak, the raw
 # samples in the JSON. Other load on the machine is measured around every
 # measurement, as `make bench` does.
@@ -60,7 +60,7 @@ fi
 
 parts=${SCALE_PARTS:-sizes}
 seconds=${BENCH_SECONDS:-10}
-repeats=${BENCH_REPEATS:-3}
+repeats=${BENCH_REPEATS:-5}
 warmup=${BENCH_WARMUP:-2s}
 payload=${BENCH_PAYLOAD_BYTES:-256}
 concurrency=${SCALE_CONCURRENCY:-64}
