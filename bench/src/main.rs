@@ -237,6 +237,8 @@ struct Plan {
 }
 
 const OPERATION: &str = "POST /bench";
+/// How late a `--rate` start may still be made up (see [`Plan::pace`]).
+const RATE_SLACK: Duration = Duration::from_millis(100);
 const SUBJECT: &str = "bench-subject";
 
 impl Plan {
@@ -260,9 +262,20 @@ impl Plan {
 
     /// With `--rate`, waits for this operation's start time: the next free
     /// slot of the schedule, or at once when the schedule has fallen behind.
+    /// Slots more than [`RATE_SLACK`] in the past are dropped, not made up:
+    /// after a slow minute the rate stays the rate instead of bursting.
     async fn pace(&self) {
         if let Some((interval, handed_out)) = &self.pacing {
-            let slot = handed_out.fetch_add(1, Ordering::Relaxed);
+            let elapsed = self.started.elapsed();
+            let due = (elapsed.as_secs_f64() / interval.as_secs_f64()) as u64;
+            let oldest =
+                due.saturating_sub((RATE_SLACK.as_secs_f64() / interval.as_secs_f64()) as u64);
+            let taken = handed_out
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |next| {
+                    Some(next.max(oldest) + 1)
+                })
+                .unwrap_or_else(|next| next);
+            let slot = taken.max(oldest);
             tokio::time::sleep_until(slot_start(self.started, *interval, slot).into()).await;
         }
     }
