@@ -266,16 +266,9 @@ impl Plan {
     /// after a slow minute the rate stays the rate instead of bursting.
     async fn pace(&self) {
         if let Some((interval, handed_out)) = &self.pacing {
-            let elapsed = self.started.elapsed();
-            let due = (elapsed.as_secs_f64() / interval.as_secs_f64()) as u64;
-            let oldest =
-                due.saturating_sub((RATE_SLACK.as_secs_f64() / interval.as_secs_f64()) as u64);
-            let taken = handed_out
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |next| {
-                    Some(next.max(oldest) + 1)
-                })
-                .unwrap_or_else(|next| next);
-            let slot = taken.max(oldest);
+            let due = (self.started.elapsed().as_secs_f64() / interval.as_secs_f64()) as u64;
+            let slack = (RATE_SLACK.as_secs_f64() / interval.as_secs_f64()) as u64;
+            let slot = take_slot(handed_out, due.saturating_sub(slack));
             tokio::time::sleep_until(slot_start(self.started, *interval, slot).into()).await;
         }
     }
@@ -308,6 +301,16 @@ fn uuid_v4(rng: &mut fastrand::Rng) -> String {
         0x8000 | (low >> 48) & 0x3fff,
         low & 0xffff_ffff_ffff
     )
+}
+
+/// The next slot of a `--rate` schedule, skipping those before `oldest`.
+fn take_slot(handed_out: &AtomicU64, oldest: u64) -> u64 {
+    let taken = handed_out
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |next| {
+            Some(next.max(oldest) + 1)
+        })
+        .unwrap_or_else(|next| next);
+    taken.max(oldest)
 }
 
 /// When the operation given `slot` of a `--rate` schedule may start.
@@ -721,5 +724,16 @@ mod tests {
         assert_eq!(slot_start(started, interval, 0), started);
         let second = slot_start(started, interval, 4000) - started;
         assert!((second.as_secs_f64() - 1.0).abs() < 1e-6, "{second:?}");
+    }
+
+    #[test]
+    fn a_rate_schedule_drops_the_starts_it_fell_behind_on() {
+        let handed_out = AtomicU64::new(0);
+        assert_eq!(take_slot(&handed_out, 0), 0);
+        assert_eq!(take_slot(&handed_out, 0), 1);
+        // Fell behind: slots 2..=99 are dropped, not run in a burst.
+        assert_eq!(take_slot(&handed_out, 100), 100);
+        assert_eq!(take_slot(&handed_out, 100), 101);
+        assert_eq!(handed_out.load(Ordering::Relaxed), 102);
     }
 }
