@@ -14,6 +14,20 @@ test:
 bench:
 	scripts/bench.sh
 
+# Cost as the table grows: new-key pairs with 0, 10 and 30 million live rows
+# preloaded, and bytes per key on disk (about 25 GB of disk and an hour; not in
+# CI). SCALE_ROWS, BENCH_SECONDS, BENCH_REPEATS tune it (see the script).
+.PHONY: bench-scale
+bench-scale:
+	scripts/bench-scale.sh
+
+# Cleanup under load: the reaper deleting a backlog of 5 million expired rows
+# beside traffic at half the maximum rate, then a 20-minute soak with keys
+# expiring as fast as they arrive (not in CI; see scripts/bench-scale.sh).
+.PHONY: bench-reaper
+bench-reaper:
+	SCALE_PARTS="reaper soak" scripts/bench-scale.sh
+
 # The server's peak memory under hostile input, many calls at once, against
 # the chart's memory limit (release build, throwaway Postgres; see the script).
 .PHONY: memory-check

@@ -8,6 +8,7 @@
 #
 # PG_FSYNC=off trades durability for speed (the test suite uses it: the
 # cluster is thrown away anyway); the default is Postgres's own, on.
+# PG_OPTIONS adds server settings, e.g. "-c shared_buffers=2GB" (make bench-scale).
 set -euo pipefail
 
 if [ -n "${DATABASE_URL:-}" ]; then
@@ -69,7 +70,7 @@ for attempt in 1 2 3 4 5; do
   port=$((20000 + RANDOM % 30000))
   port_is_free "$port" || continue
   if run_pg pg_ctl -D "$dir/data" -l "$dir/data/server.log" -w -t 60 \
-    -o "-p $port -k $dir -c listen_addresses=127.0.0.1 -c fsync=${PG_FSYNC:-on} -c max_connections=${PG_MAX_CONNECTIONS:-300}" \
+    -o "-p $port -k $dir -c listen_addresses=127.0.0.1 -c fsync=${PG_FSYNC:-on} -c max_connections=${PG_MAX_CONNECTIONS:-300} ${PG_OPTIONS:-}" \
     start >/dev/null; then
     started=1
     break

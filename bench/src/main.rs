@@ -9,6 +9,12 @@
 //! Every call is made once (no retries), so errors are counted, not hidden.
 //! It stops by itself after `--duration` or `--count` operations.
 //!
+//! By default the callers go as fast as their answers come back (a closed
+//! loop); `--rate` paces them to a steady rate instead, as for the reaper's
+//! measurement at half the maximum rate (`scripts/bench-scale.sh`). There,
+//! `--uuid-keys` and `--subjects` spread new keys over the whole primary key
+//! index, as the keys of many users do, and `--ttl` makes them expire.
+//!
 //! With `--tls-ca` it connects over TLS (an `https://` endpoint), with
 //! `--bearer-token-file` it sends a bearer token on every RPC, as a caller
 //! in Kubernetes does; `--make-auth-files DIR` writes the certificates,
@@ -154,6 +160,23 @@ struct Cli {
     /// Namespace of the keys.
     #[arg(long, default_value = "bench")]
     namespace: String,
+    /// Operations started per second, over all tasks together (a task that
+    /// falls behind starts its next at once, so the rate is reached only
+    /// while the service keeps up); without it, as fast as answers come.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    rate: Option<u64>,
+    /// New keys: random UUIDs (as real callers send) instead of
+    /// `n-<run>-<task>-<random>`, whose shared prefix puts a run's inserts
+    /// side by side in the primary key index.
+    #[arg(long)]
+    uuid_keys: bool,
+    /// New keys: the subject of each, drawn at random from `user-0` ..
+    /// `user-<N-1>` (default: one subject for every key).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    subjects: Option<u64>,
+    /// Lifetime of every record (default: the server's, 24 h).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    ttl: Option<Duration>,
     /// Also report the CPU seconds this process (the server, on this
     /// machine) used during the timed part, from /proc/<pid>/stat.
     #[arg(long)]
@@ -205,14 +228,49 @@ struct Plan {
     measure_until: Option<Instant>,
     /// Count mode: timed operations left to hand out.
     tickets: Option<AtomicU64>,
+    /// `--rate`: the interval between two operations' starts, and how many
+    /// have been given a start time so far.
+    pacing: Option<(Duration, AtomicU64)>,
+    uuid_keys: bool,
+    subjects: Option<u64>,
+    ttl: Option<Duration>,
 }
 
 const OPERATION: &str = "POST /bench";
+/// How late a `--rate` start may still be made up (see [`Plan::pace`]).
+const RATE_SLACK: Duration = Duration::from_millis(100);
 const SUBJECT: &str = "bench-subject";
 
 impl Plan {
     fn id(&self, key: String) -> RecordId {
         RecordId::new(self.namespace.clone(), OPERATION, key).with_subject(SUBJECT)
+    }
+
+    /// A fresh key, as `--uuid-keys` and `--subjects` ask.
+    fn new_key(&self, rng: &mut fastrand::Rng, index: u64) -> RecordId {
+        let key = if self.uuid_keys {
+            uuid_v4(rng)
+        } else {
+            format!("n-{}-{index}-{:016x}", self.run, rng.u64(..))
+        };
+        match self.subjects {
+            Some(subjects) => RecordId::new(self.namespace.clone(), OPERATION, key)
+                .with_subject(format!("user-{}", rng.u64(0..subjects))),
+            None => self.id(key),
+        }
+    }
+
+    /// With `--rate`, waits for this operation's start time: the next free
+    /// slot of the schedule, or at once when the schedule has fallen behind.
+    /// Slots more than [`RATE_SLACK`] in the past are dropped, not made up:
+    /// after a slow minute the rate stays the rate instead of bursting.
+    async fn pace(&self) {
+        if let Some((interval, handed_out)) = &self.pacing {
+            let due = (self.started.elapsed().as_secs_f64() / interval.as_secs_f64()) as u64;
+            let slack = (RATE_SLACK.as_secs_f64() / interval.as_secs_f64()) as u64;
+            let slot = take_slot(handed_out, due.saturating_sub(slack));
+            tokio::time::sleep_until(slot_start(self.started, *interval, slot).into()).await;
+        }
     }
 
     /// False once the timed part is over.
@@ -232,6 +290,34 @@ impl Plan {
     }
 }
 
+/// A random version 4 UUID (122 random bits), as text.
+fn uuid_v4(rng: &mut fastrand::Rng) -> String {
+    let (high, low) = (rng.u64(..), rng.u64(..));
+    format!(
+        "{:08x}-{:04x}-4{:03x}-{:04x}-{:012x}",
+        high >> 32,
+        (high >> 16) & 0xffff,
+        high & 0x0fff,
+        0x8000 | (low >> 48) & 0x3fff,
+        low & 0xffff_ffff_ffff
+    )
+}
+
+/// The next slot of a `--rate` schedule, skipping those before `oldest`.
+fn take_slot(handed_out: &AtomicU64, oldest: u64) -> u64 {
+    let taken = handed_out
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |next| {
+            Some(next.max(oldest) + 1)
+        })
+        .unwrap_or_else(|next| next);
+    taken.max(oldest)
+}
+
+/// When the operation given `slot` of a `--rate` schedule may start.
+fn slot_start(started: Instant, interval: Duration, slot: u64) -> Instant {
+    started + interval.saturating_mul(u32::try_from(slot).unwrap_or(u32::MAX))
+}
+
 fn outcome_name(acquisition: &Acquisition) -> &'static str {
     match acquisition {
         Acquisition::Proceed(_) => "acquired",
@@ -247,7 +333,10 @@ type OpResult = Result<(&'static str, Duration), (&'static str, Error)>;
 
 /// Acquire, and Complete at once when granted.
 async fn acquire_and_complete(plan: &Plan, client: &Client, id: RecordId) -> OpResult {
-    let request = AcquireRequest::new(id, plan.fingerprint.clone());
+    let mut request = AcquireRequest::new(id, plan.fingerprint.clone());
+    if let Some(ttl) = plan.ttl {
+        request = request.with_ttl(ttl);
+    }
     let started = Instant::now();
     let acquisition = client
         .acquire(&request)
@@ -272,6 +361,7 @@ async fn worker(plan: Arc<Plan>, index: u64) -> Stats {
     let mut replay_next = index * replay_count / plan.concurrency;
     let mut rng = fastrand::Rng::with_seed(index ^ 0x9e37_79b9_7f4a_7c15);
     loop {
+        plan.pace().await;
         let started = Instant::now();
         if !plan.may_start(started) {
             break;
@@ -290,7 +380,7 @@ async fn worker(plan: Arc<Plan>, index: u64) -> Stats {
             Scenario::NewKeys => {
                 // Random within the worker's range, like pgbench's keys and
                 // like real UUID keys: inserts land all over the index.
-                let id = plan.id(format!("n-{}-{index}-{:016x}", plan.run, rng.u64(..)));
+                let id = plan.new_key(&mut rng, index);
                 acquire_and_complete(&plan, client, id).await
             }
             Scenario::Replay => {
@@ -467,6 +557,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         measure_from,
         measure_until: cli.count.is_none().then(|| measure_from + cli.duration),
         tickets: cli.count.map(AtomicU64::new),
+        pacing: cli.rate.map(|rate| {
+            (
+                Duration::from_secs_f64(1.0 / rate as f64),
+                AtomicU64::new(0),
+            )
+        }),
+        uuid_keys: cli.uuid_keys,
+        subjects: cli.subjects,
+        ttl: cli.ttl,
     });
 
     let handles: Vec<_> = (0..cli.concurrency)
@@ -525,6 +624,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             "payload_bytes": cli.payload_bytes,
             "keys": keys,
             "mix": format!("{}:{}", cli.mix.new, cli.mix.replay),
+            "rate": cli.rate,
+            "uuid_keys": cli.uuid_keys,
+            "subjects": cli.subjects,
+            "ttl_seconds": cli.ttl.map(|ttl| ttl.as_secs_f64()),
             "warmup_seconds": cli.warmup.as_secs_f64(),
             "warmup_ops": total.warmup_ops,
             "ops": total.ops,
@@ -585,4 +688,52 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         eprintln!("idempotency-bench: first {code}: {message}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uuid_keys_are_version_4_uuids() {
+        let mut rng = fastrand::Rng::with_seed(7);
+        let keys: Vec<String> = (0..1000).map(|_| uuid_v4(&mut rng)).collect();
+        for key in &keys {
+            let bytes = key.as_bytes();
+            assert_eq!(key.len(), 36, "{key}");
+            for (i, byte) in bytes.iter().enumerate() {
+                match i {
+                    8 | 13 | 18 | 23 => assert_eq!(*byte, b'-', "{key}"),
+                    14 => assert_eq!(*byte, b'4', "{key}"),
+                    19 => assert!(b"89ab".contains(byte), "{key}"),
+                    _ => assert!(
+                        byte.is_ascii_hexdigit() && !byte.is_ascii_uppercase(),
+                        "{key}"
+                    ),
+                }
+            }
+        }
+        let distinct: std::collections::HashSet<_> = keys.iter().collect();
+        assert_eq!(distinct.len(), keys.len());
+    }
+
+    #[test]
+    fn a_rate_schedule_spaces_starts_evenly() {
+        let started = Instant::now();
+        let interval = Duration::from_secs_f64(1.0 / 4000.0);
+        assert_eq!(slot_start(started, interval, 0), started);
+        let second = slot_start(started, interval, 4000) - started;
+        assert!((second.as_secs_f64() - 1.0).abs() < 1e-6, "{second:?}");
+    }
+
+    #[test]
+    fn a_rate_schedule_drops_the_starts_it_fell_behind_on() {
+        let handed_out = AtomicU64::new(0);
+        assert_eq!(take_slot(&handed_out, 0), 0);
+        assert_eq!(take_slot(&handed_out, 0), 1);
+        // Fell behind: slots 2..=99 are dropped, not run in a burst.
+        assert_eq!(take_slot(&handed_out, 100), 100);
+        assert_eq!(take_slot(&handed_out, 100), 101);
+        assert_eq!(handed_out.load(Ordering::Relaxed), 102);
+    }
 }

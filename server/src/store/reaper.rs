@@ -28,7 +28,7 @@ impl Default for ReapLimits {
     fn default() -> Self {
         Self {
             batch_size: 1000,
-            batch_pause: Duration::from_millis(50),
+            batch_pause: Duration::from_millis(10),
             max_per_run: 1_000_000,
         }
     }
