@@ -69,6 +69,37 @@ async fn a_run_stops_at_its_cap_and_the_next_run_continues() {
     assert_eq!(count(&db, "expired").await, 0);
 }
 
+#[tokio::test]
+async fn a_run_stopped_at_its_cap_is_followed_at_once_not_an_interval_later() {
+    let db = TestDb::new().await;
+    insert_records(&db.pool, "expired", 1000, 60).await;
+    let settings = maintenance::ReaperSettings {
+        interval: Duration::from_secs(3600),
+        limits: ReapLimits {
+            max_per_run: 300,
+            batch_pause: Duration::from_millis(1),
+            ..limits(100)
+        },
+    };
+
+    // Four runs (300, 300, 300, 100) clear the backlog; with an hour between
+    // runs that is only possible if a capped run is followed at once.
+    let reaper = tokio::spawn(maintenance::run_reaper(db.pool.clone(), settings));
+    let cleared = tokio::time::timeout(Duration::from_secs(30), async {
+        while count(&db, "expired").await > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    reaper.abort();
+
+    assert!(
+        cleared.is_ok(),
+        "{} expired rows left: the next run waited for the interval",
+        count(&db, "expired").await
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_reapers_at_once_never_both_work_and_metrics_say_so() {
     let db = TestDb::new().await;
