@@ -14,7 +14,8 @@
 #           buffer hits and reads, checkpoints, autovacuum, index depth).
 #   reaper: the maximum pairs/s, then a backlog of REAPER_BACKLOG (5M)
 #           expired rows, and the service at REAPER_LOAD (50 %) of that
-#           maximum, paced, without and while `idempotencyd reap` (the
+#           maximum (or at REAPER_RATE pairs/s, the maximum then not measured),
+#           paced, without and while `idempotencyd reap` (the
 #           documented command, its defaults) deletes the backlog: Acquire
 #           p99 in both, and the reaper's rows/s.
 #   soak:   SOAK_SECONDS (1200) of new keys at the same paced rate with a
@@ -326,6 +327,13 @@ fi
 half_rate=
 if part reaper || part soak; then
   start_server server-reaper-off --reaper-enabled false
+fi
+if { part reaper || part soak; } && [ -n "${REAPER_RATE:-}" ]; then
+  # A rate given, to compare runs of other reaper settings at the same pace.
+  half_rate=$REAPER_RATE
+  say "the paced runs go at $half_rate/s (REAPER_RATE; the maximum not measured)"
+  note "{\"event\": \"rates\", \"max\": null, \"paced\": $half_rate, \"share_percent\": null}"
+elif part reaper || part soak; then
   say "reaper: the maximum rate first ($repeats x ${seconds}s at $concurrency callers)"
   for rep in $(seq "$repeats"); do
     sql "CHECKPOINT"
