@@ -75,8 +75,9 @@ pub async fn reap(pool: &PgPool, limits: &ReapLimits) -> StoreResult<ReapReport>
 ///
 /// A run that stopped at its cap left expired rows behind, so the next run
 /// starts at once rather than an interval later: waiting would bound the
-/// reaper at `max_per_run / interval` rows/s (16,700 at the defaults), less
-/// than one primary creates keys (docs/performance.md, "Cleanup under load").
+/// reaper at `max_per_run / interval` rows/s (16,700 at the default cap and
+/// interval) however short its pauses (docs/performance.md, "Cleanup under
+/// load").
 /// The cap still ends the run, so the lock and its connection are given back
 /// between runs.
 pub async fn run_reaper(pool: PgPool, settings: ReaperSettings) {

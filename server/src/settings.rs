@@ -348,9 +348,10 @@ pub struct ReaperArgs {
     #[arg(long, env = "IDEMPOTENCY_REAPER_BATCH_SIZE", default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
     pub reaper_batch_size: u32,
     /// Pause between two delete statements.
-    #[arg(long, env = "IDEMPOTENCY_REAPER_BATCH_PAUSE", default_value = "10ms", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "IDEMPOTENCY_REAPER_BATCH_PAUSE", default_value = "50ms", value_parser = humantime::parse_duration)]
     pub reaper_batch_pause: Duration,
-    /// Most rows deleted by one run; the next run continues.
+    /// Most rows deleted by one run; a run that reaches it is followed at once
+    /// (with `reap --once`, the next run is the next Job).
     #[arg(
         long,
         env = "IDEMPOTENCY_REAPER_MAX_PER_RUN",

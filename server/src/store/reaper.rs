@@ -20,7 +20,8 @@ pub struct ReapLimits {
     pub batch_size: u32,
     /// Pause between batches, leaving the database room for live traffic.
     pub batch_pause: Duration,
-    /// Most rows one run deletes; the next run continues.
+    /// Most rows one run deletes; the next run continues (at once, in the
+    /// reaper loop: `maintenance::run_reaper`).
     pub max_per_run: u64,
 }
 
@@ -28,7 +29,7 @@ impl Default for ReapLimits {
     fn default() -> Self {
         Self {
             batch_size: 1000,
-            batch_pause: Duration::from_millis(10),
+            batch_pause: Duration::from_millis(50),
             max_per_run: 1_000_000,
         }
     }
