@@ -2,16 +2,18 @@
 //! [`Credentials`] interceptor around it.
 
 use std::{
+    collections::VecDeque,
     fmt,
     future::Future,
     pin::Pin,
-    task::{Context, Poll},
+    task::{Context, Poll, Waker},
     time::Duration,
 };
 
 use tonic::{
+    Status,
     body::Body,
-    codegen::{Service, StdError, http},
+    codegen::{Body as _, Bytes, Service, StdError, http},
     service::interceptor::InterceptedService,
     transport::Channel,
 };
@@ -72,6 +74,7 @@ impl Service<Request> for Transport {
     }
 
     fn call(&mut self, request: Request) -> TransportFuture {
+        let request = request.map(ReadAhead::body);
         match self {
             Transport::Channel(channel) => TransportFuture::Channel(channel.call(request)),
             #[cfg(feature = "tls")]
@@ -106,5 +109,68 @@ impl fmt::Debug for Transport {
             #[cfg(feature = "tls")]
             Transport::Balanced(_) => f.write_str("Balanced"),
         }
+    }
+}
+
+/// A request body read ahead as far as it is ready when the call starts.
+///
+/// A unary request's body is ready at once, but tonic's encoder says it has
+/// ended only when polled after its message. hyper then sends the message
+/// and, a turn later, an empty DATA frame to end the stream: two or three
+/// writes on the socket for one request, each of which wakes the server.
+/// Read ahead, the body knows it has ended with its message, and hyper sends
+/// the message with END_STREAM. (A body that is not ready is read on as it
+/// comes: the frames read ahead go first.)
+struct ReadAhead {
+    ready: VecDeque<Result<http_body::Frame<Bytes>, Status>>,
+    /// The rest; `None` once it ended.
+    rest: Option<Body>,
+}
+
+impl ReadAhead {
+    /// Frames at most this many ahead (a unary request has one).
+    const MAX_FRAMES: usize = 4;
+
+    fn body(body: Body) -> Body {
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut ready = VecDeque::new();
+        let mut rest = Some(body);
+        while ready.len() < Self::MAX_FRAMES
+            && let Some(body) = rest.as_mut()
+        {
+            match Pin::new(body).poll_frame(&mut cx) {
+                Poll::Ready(Some(frame)) => ready.push_back(frame),
+                Poll::Ready(None) => rest = None,
+                // Polled again by hyper, with its waker, when it sends.
+                Poll::Pending => break,
+            }
+        }
+        Body::new(ReadAhead { ready, rest })
+    }
+}
+
+impl http_body::Body for ReadAhead {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Status>>> {
+        if let Some(frame) = self.ready.pop_front() {
+            return Poll::Ready(Some(frame));
+        }
+        let Some(rest) = self.rest.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let polled = Pin::new(rest).poll_frame(cx);
+        if let Poll::Ready(None) = polled {
+            self.rest = None;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ready.is_empty() && self.rest.as_ref().is_none_or(Body::is_end_stream)
     }
 }
