@@ -3,8 +3,8 @@
 and the summary (medians, table, results file). Standard library only.
 
   report.py ticks POSTMASTER_PID SERVER_PID SHELL_PID
-  report.py pgbench SCENARIO C REP PREFIX BEFORE AFTER WAL_BYTES      >> raw.jsonl
-  report.py service SCENARIO C REP JSON BEFORE AFTER WAL_BYTES VMHWM  >> raw.jsonl
+  report.py pgbench SCENARIO C REP PREFIX BEFORE AFTER WAL_BYTES [CLIENTS KEYS]  >> raw.jsonl
+  report.py service SCENARIO C REP JSON BEFORE AFTER WAL_BYTES VMHWM [IN_FLIGHT] >> raw.jsonl
   report.py progress RAW
   report.py other BEFORE AFTER
   report.py summary RAW OUT_PREFIX META_JSON
@@ -62,7 +62,9 @@ def cpu_fractions(before, after):
     return round(busy, 3), round(other, 3)
 
 
-def pgbench_record(scenario, c, rep, prefix, before, after, wal):
+def pgbench_record(scenario, c, rep, prefix, before, after, wal, clients=None, keys=1):
+    """One pgbench run. `keys`: keys per transaction (the ceiling's
+    multi-row statements), so that keys/s = transactions/s x keys."""
     out = open(prefix + ".out").read()
     tps = float(re.search(r"tps = ([0-9.]+) \(without initial connection time\)", out).group(1))
     processed = int(re.search(r"number of transactions actually processed: (\d+)", out).group(1))
@@ -84,7 +86,8 @@ def pgbench_record(scenario, c, rep, prefix, before, after, wal):
     busy, other = cpu_fractions(before, after)
     return {
         "tool": "pgbench", "scenario": scenario, "concurrency": int(c), "rep": int(rep),
-        "ops_per_sec": tps, "ops": processed,
+        "clients": int(clients or c), "keys_per_op": int(keys),
+        "ops_per_sec": tps, "ops": processed, "keys_per_sec": tps * int(keys),
         "errors_total": int(failed.group(1)) if failed else 0,
         "latency_us": {"p50": q(0.50), "p90": q(0.90), "p99": q(0.99), "p999": q(0.999),
                        "max": lat[-1] if lat else None},
@@ -94,7 +97,7 @@ def pgbench_record(scenario, c, rep, prefix, before, after, wal):
     }
 
 
-def service_record(scenario, c, rep, path, before, after, wal, vmhwm):
+def service_record(scenario, c, rep, path, before, after, wal, vmhwm, in_flight_peak=None):
     r = json.load(open(path))
     # WAL and the other load were sampled around the whole invocation, warm-up
     # included; the load generator's own CPU figures cover the timed part only.
@@ -103,6 +106,7 @@ def service_record(scenario, c, rep, path, before, after, wal, vmhwm):
     r.update({
         "tool": "service", "scenario": scenario, "concurrency": int(c), "rep": int(rep),
         "other_cpu_busy": other, "server_vmhwm_kb": int(vmhwm), "wal_bytes": int(wal),
+        "server_in_flight_peak": int(in_flight_peak) if in_flight_peak is not None else None,
         "wal_bytes_per_op": round(int(wal) / calls) if calls else None,
     })
     return r
@@ -114,6 +118,11 @@ def progress(raw):
     line = "bench:   %-8s %-11s c=%-3d rep %d: %9.1f/s  p50 %6.2f ms  p99 %6.2f ms  other load %3.0f %%" % (
         r["tool"], r["scenario"], r["concurrency"], r["rep"], r["ops_per_sec"],
         (lat["p50"] or 0) / 1000, (lat["p99"] or 0) / 1000, 100 * (r.get("other_cpu_busy") or 0))
+    if r.get("keys_per_op", 1) > 1:
+        line += "  (%d keys each: %.0f keys/s)" % (r["keys_per_op"], r["keys_per_sec"])
+    if r.get("server_in_flight_peak") is not None:
+        line += "  in flight at most %d, peak RSS %.1f MiB" % (
+            r["server_in_flight_peak"], r["server_vmhwm_kb"] / 1024)
     if r.get("errors_total"):
         line += "  errors %d" % r["errors_total"]
     print(line, file=sys.stderr)
@@ -160,9 +169,9 @@ AUTH_LABEL = {
 }
 
 
-def paired_ratios(base_runs, runs):
+def paired_ratios(base_runs, runs, base_key="ops_per_sec"):
     """runs / base_runs (e.g. service / pgbench) for each repetition both ran, in repetition order."""
-    base = {r["rep"]: r["ops_per_sec"] for r in base_runs}
+    base = {r["rep"]: r[base_key] for r in base_runs}
     return [round(r["ops_per_sec"] / base[r["rep"]], 3)
             for r in sorted(runs, key=lambda r: r["rep"])
             if base.get(r["rep"]) and r["ops_per_sec"]]
@@ -238,7 +247,9 @@ def auth_results(runs):
 def summary(raw, out, meta_json):
     meta = json.loads(meta_json)
     all_runs = [json.loads(line) for line in open(raw)]
-    runs = [r for r in all_runs if not r["scenario"].startswith(AUTH_PREFIX)]
+    runs = [r for r in all_runs
+            if not r["scenario"].startswith(AUTH_PREFIX) and r["scenario"] != "memory"]
+    memory = [r for r in all_runs if r["scenario"] == "memory"]
     auth = auth_results([r for r in all_runs if r["scenario"].startswith(AUTH_PREFIX)])
     order = []
     for r in runs:
@@ -260,6 +271,21 @@ def summary(raw, out, meta_json):
         # speed drifts between repetitions, and the ratio with it.
         entry["ratios_per_repeat"] = paired_ratios(entry["pgbench"]["runs"], entry["service"]["runs"])
         entry["ratio_per_repeat_median"] = median(entry["ratios_per_repeat"])
+        # The durable ceiling beside the new-key pairs: keys/s of the same
+        # writes as 32-key statements, measured just before each service run.
+        ceiling = [r for r in runs
+                   if r["tool"] == "pgbench" and r["scenario"] == "ceiling" and r["concurrency"] == c]
+        entry["ceiling_keys_per_sec"] = None
+        entry["ratio_service_to_ceiling"] = None
+        entry["ceiling_ratios_per_repeat"] = []
+        if scenario == "new-keys" and ceiling:
+            entry["ceiling_keys_per_sec"] = median([r["keys_per_sec"] for r in ceiling])
+            entry["ceiling_clients"] = ceiling[0]["clients"]
+            entry["ceiling_keys_per_statement"] = ceiling[0]["keys_per_op"]
+            entry["ratio_service_to_ceiling"] = (round(sv / entry["ceiling_keys_per_sec"], 3)
+                                                 if sv and entry["ceiling_keys_per_sec"] else None)
+            entry["ceiling_ratios_per_repeat"] = paired_ratios(
+                ceiling, entry["service"]["runs"], "keys_per_sec")
         results.append(entry)
 
     doc = {
@@ -267,6 +293,7 @@ def summary(raw, out, meta_json):
         "machine": {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "memory_gib": mem_gib(),
                     "kernel": platform.release()},
         "results": results,
+        "memory": memory,
         "auth": auth,
     }
     with open(out + ".json", "w") as f:
@@ -284,26 +311,30 @@ def summary(raw, out, meta_json):
     lines = [] if results else ["(no pgbench comparison in this run)"]
     lines += [] if not results else [
         "| scenario | conc. | pgbench /s | service /s | service / pgbench "
+        "| ceiling keys/s | service / ceiling "
         "| p50 / p99 ms, pgbench | p50 / p99 ms, service | server CPU s (µs/op) "
         "| server peak RSS MiB | machine CPU µs/op, pgbench / service "
         "| WAL bytes/op, pgbench / service | other load %, pgbench / service |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for e in results:
         p, s = e["pgbench"], e["service"]
         ratio = "-" if e["ratio_service_to_pgbench"] is None else f"{e['ratio_service_to_pgbench']:.2f}"
+        to_ceiling = "-" if e["ratio_service_to_ceiling"] is None else f"{e['ratio_service_to_ceiling']:.2f}"
         cpu = "-"
         if s["server_cpu_seconds"] is not None:
             cpu = f"{s['server_cpu_seconds']:.2f} ({num(s['server_cpu_us_per_op'])})"
         lines.append(
             f"| {ROW_LABEL.get(e['scenario'], e['scenario'])} | {e['concurrency']} | {num(p['ops_per_sec'])} "
-            f"| {num(s['ops_per_sec'])} | {ratio} | {ms(p['p50_us'])} / {ms(p['p99_us'])} "
+            f"| {num(s['ops_per_sec'])} | {ratio} | {num(e['ceiling_keys_per_sec'])} | {to_ceiling} "
+            f"| {ms(p['p50_us'])} / {ms(p['p99_us'])} "
             f"| {ms(s['p50_us'])} / {ms(s['p99_us'])} | {cpu} | {s['server_vmhwm_kb'] / 1024:.0f} "
             f"| {num(p['machine_cpu_us_per_op'])} / {num(s['machine_cpu_us_per_op'])} "
             f"| {num(p['wal_bytes_per_op'])} / {num(s['wal_bytes_per_op'])} "
             f"| {pct(p['other_cpu_busy'])} / {pct(s['other_cpu_busy'])} |")
     errors = sum(e["pgbench"]["errors_total"] + e["service"]["errors_total"] for e in results)
     errors += sum(a["errors_total"] for a in auth)
+    errors += sum(m.get("errors_total") or 0 for m in memory)
     pg = meta["postgres"]
     lines.append("")
     lines.append(
@@ -319,6 +350,20 @@ def summary(raw, out, meta_json):
             ratios = ", ".join(f"{r:.2f}" for r in e["ratios_per_repeat"])
             lines.append(f"- {ROW_LABEL.get(e['scenario'], e['scenario'])} at {e['concurrency']}: "
                          f"{ratios} (median {e['ratio_per_repeat_median']:.2f})")
+    ceilings = [e for e in results if e["ceiling_ratios_per_repeat"]]
+    if ceilings:
+        lines.append("")
+        lines.append(
+            f"Service / ceiling per repetition (the ceiling: pgbench, {ceilings[0]['ceiling_clients']} "
+            f"clients, multi-row statements of {ceilings[0]['ceiling_keys_per_statement']} keys, "
+            "run just before each service run):")
+        lines.append("")
+        for e in ceilings:
+            ratios = ", ".join(f"{r:.2f}" for r in e["ceiling_ratios_per_repeat"])
+            lines.append(f"- new-key pairs at {e['concurrency']}: {ratios} "
+                         f"(median {median(e['ceiling_ratios_per_repeat']):.2f})")
+    if memory:
+        lines += [""] + memory_table(memory, ms, num)
     if auth:
         lines += [""] + auth_table(auth, meta, ms, num, pct)
     table = "\n".join(lines)
@@ -328,6 +373,24 @@ def summary(raw, out, meta_json):
     print(table)
     print()
     print(f"results: {out}.json and {out}.md")
+
+
+def memory_table(memory, ms, num):
+    """Peak memory of a server holding many calls at once."""
+    lines = [
+        "Memory of calls in flight (a server of its own; new-key pairs, each call its own RPC, "
+        "16 gRPC connections):",
+        "",
+        "| callers | most calls in flight seen | pairs/s | p50 / p99 ms "
+        "| server peak RSS MiB | errors |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for m in memory:
+        lines.append(
+            f"| {m['concurrency']} | {num(m.get('server_in_flight_peak'))} | {num(m['ops_per_sec'])} "
+            f"| {ms(m['latency_us']['p50'])} / {ms(m['latency_us']['p99'])} "
+            f"| {m['server_vmhwm_kb'] / 1024:.1f} | {m.get('errors_total') or 0} |")
+    return lines
 
 
 def auth_label(variant, meta):

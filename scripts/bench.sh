@@ -2,15 +2,25 @@
 # `make bench`: the service against hand-written SQL on the same table and the
 # same Postgres, at production durability (fsync=on, synchronous_commit=on).
 #
-# In one run, for each concurrency C in BENCH_CONCURRENCY (default "1 16 64"):
+# In one run, for each concurrency C in BENCH_CONCURRENCY (default "1 16 64 256"):
 #   new keys: pgbench bench/pgbench/new_key_pair.sql (INSERT ... ON CONFLICT DO
 #             NOTHING, then UPDATE to completed: one "pair") against
-#             idempotency-bench --scenario new-keys (Acquire, then Complete);
+#             idempotency-bench --scenario new-keys (Acquire, then Complete),
+#             and the durable ceiling: pgbench bench/pgbench/ceiling_pair.sql,
+#             the same insert and update as multi-row statements of
+#             BENCH_CEILING_KEYS (32) keys, BENCH_CEILING_CLIENTS (8) clients,
+#             in keys/s (the most this Postgres does with these rows);
 #   replay:   pgbench bench/pgbench/replay.sql (a primary-key SELECT) against
 #             idempotency-bench --scenario replay (Acquire of a completed key),
 #             on the server as configured (replay cache on: hits from memory)
 #             and on a second server with --replay-cache-bytes 0 (row
 #             "replay-db": every replay reads Postgres).
+# Then the memory of calls in flight: a server started for it alone, with
+# BENCH_MEMORY_CALLS (1000) new-key callers (no client batching, 16 gRPC
+# connections: the server takes 100 streams on each), and the table locked
+# for 2 s midway so that their calls pile up inside the server, as behind a
+# stalled database: its peak RSS (VmHWM) and the most calls in flight it
+# reported.
 # Then, for each concurrency in BENCH_AUTH_CONCURRENCY (default "64"), the
 # cost of TLS and auth: new keys through four servers, interleaved (the
 # order reversed every other repetition): "off" (plaintext, no auth, as above),
@@ -23,7 +33,7 @@
 # Each measurement runs BENCH_SECONDS (default 10) and is repeated
 # BENCH_REPEATS times (default 3), pgbench and service interleaved; the table
 # shows medians. Results: target/bench/results-<timestamp>.{json,md}.
-# BENCH_ONLY picks parts: any of "new-keys replay auth" (default: all);
+# BENCH_ONLY picks parts: any of "new-keys replay memory auth" (default: all);
 # BENCH_AUTH=0 leaves the auth part out.
 #
 # BENCH_SERVER_THREADS (default 1) is the server's --worker-threads: on this
@@ -61,7 +71,10 @@ fi
 
 seconds=${BENCH_SECONDS:-10}
 repeats=${BENCH_REPEATS:-3}
-concurrencies=${BENCH_CONCURRENCY:-1 16 64}
+concurrencies=${BENCH_CONCURRENCY:-1 16 64 256}
+ceiling_keys=${BENCH_CEILING_KEYS:-32}
+ceiling_clients=${BENCH_CEILING_CLIENTS:-8}
+memory_calls=${BENCH_MEMORY_CALLS:-1000}
 warmup=${BENCH_WARMUP:-2s}
 payload=${BENCH_PAYLOAD_BYTES:-256}
 keys=${BENCH_KEYS:-1000}
@@ -69,10 +82,10 @@ connections=${BENCH_CONNECTIONS:-1}
 wait_quiet=${BENCH_WAIT_QUIET:-0}
 auth_concurrencies=${BENCH_AUTH_CONCURRENCY:-64}
 auth_variants=${BENCH_AUTH_VARIANTS:-off tls jwt static}
-only=${BENCH_ONLY:-new-keys replay auth}
+only=${BENCH_ONLY:-new-keys replay memory auth}
 if [ "${BENCH_AUTH:-1}" = 0 ]; then only=${only//auth/}; fi
 for name in $only; do
-  case $name in new-keys | replay | auth) ;; *) say "BENCH_ONLY: unknown part $name (new-keys, replay, auth)"; exit 1 ;; esac
+  case $name in new-keys | replay | memory | auth) ;; *) say "BENCH_ONLY: unknown part $name (new-keys, replay, memory, auth)"; exit 1 ;; esac
 done
 for variant in $auth_variants; do
   case $variant in off | tls | jwt | static) ;; *) say "BENCH_AUTH_VARIANTS: unknown $variant (off, tls, jwt, static)"; exit 1 ;; esac
@@ -138,7 +151,7 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 # The server measured: the default one, or the one without the replay cache.
 use_server() { server_pid=$1 endpoint=$2; }
 
-start_server() { # extra serve flags...; sets started_pid and started_endpoint
+start_server() { # extra serve flags...; sets started_pid, started_endpoint, started_metrics_port
   local grpc_port metrics_port log="$work/server-$((++servers)).log" scheme=http
   [[ " $* " == *" --tls-cert "* ]] && scheme=https
   grpc_port=$(free_port)
@@ -153,7 +166,7 @@ start_server() { # extra serve flags...; sets started_pid and started_endpoint
     (exec 3<>"/dev/tcp/127.0.0.1/$grpc_port") 2>/dev/null && break
     sleep 0.1
   done
-  started_endpoint="$scheme://127.0.0.1:$grpc_port"
+  started_endpoint="$scheme://127.0.0.1:$grpc_port" started_metrics_port=$metrics_port
 }
 servers=0
 server_threads=${BENCH_SERVER_THREADS:-1}
@@ -202,14 +215,23 @@ settle() {
 run_pgbench() { # scenario script concurrency rep extra-args...
   local scenario=$1 script=$2 c=$3 rep=$4
   shift 4
-  local prefix="$work/pgb-$scenario-$c-$rep" before lsn
+  # The ceiling runs its own number of clients; its record keeps the row's
+  # concurrency, to pair it with the runs beside it.
+  local clients=$c keys=1 prefix="$work/pgb-$scenario-$c-$rep" before lsn
+  if [ "$scenario" = ceiling ]; then clients=$ceiling_clients keys=$ceiling_keys; fi
   settle
   lsn=$(wal_lsn)
   before=$(ticks)
-  "$pgbench" -M prepared -n -c "$c" -j 2 -T "$seconds" -f "$script" "$@" \
+  # The ceiling's UPDATE takes its keys as an array: on a table without
+  # statistics yet its generic plan would scan the table, as the service's
+  # would without the guards its sessions have (index lookups only).
+  local options=${PGOPTIONS:-}
+  if [ "$scenario" = ceiling ]; then options="$options -c enable_seqscan=off"; fi
+  PGOPTIONS=$options "$pgbench" -M prepared -n -c "$clients" -j 2 -T "$seconds" -f "$script" "$@" \
     --log --log-prefix="$prefix" "$DATABASE_URL" >"$prefix.out" 2>"$prefix.err" ||
     { cat "$prefix.out" "$prefix.err" >&2; exit 1; }
-  report pgbench "$scenario" "$c" "$rep" "$prefix" "$before" "$(ticks)" "$(wal_since "$lsn")" >>"$raw"
+  report pgbench "$scenario" "$c" "$rep" "$prefix" "$before" "$(ticks)" "$(wal_since "$lsn")" \
+    "$clients" "$keys" >>"$raw"
   rm -f "$prefix".*
   report progress "$raw"
 }
@@ -238,6 +260,8 @@ if part new-keys; then
   for c in $concurrencies; do
     for rep in $(seq "$repeats"); do
       run_pgbench new-keys bench/pgbench/new_key_pair.sql "$c" "$rep" -D "payload=$payload"
+      run_pgbench ceiling bench/pgbench/ceiling_pair.sql "$c" "$rep" -D "payload=$payload" \
+        -D "keys=$ceiling_keys"
       run_service new-keys new-keys "$c" "$rep"
     done
   done
@@ -259,6 +283,59 @@ if part replay; then
       run_service replay replay-db "$c" "$rep" --key-prefix bench-replay --skip-prepare
     done
   done
+fi
+
+# Memory per call in flight: a server of its own (so that its peak RSS is
+# this part's), BENCH_MEMORY_CALLS callers without client batching, each
+# call its own RPC, over 16 connections (100 streams each), for 6 s. Running
+# freely, most of them wait in the sockets, not in the server (its one thread
+# is busy): so the table is locked from 2 s to 4 s, and every caller's call
+# is then held by the server, read and decoded, waiting for the database.
+# The server's in-flight gauge is sampled meanwhile, so the table shows how
+# many calls it really held at once.
+if part memory; then
+  # shellcheck disable=SC2086
+  start_server $server_args
+  memory_pid=$started_pid memory_endpoint=$started_endpoint
+  memory_metrics_port=$started_metrics_port
+  say "memory: idempotencyd (pid $memory_pid) on $memory_endpoint, $memory_calls calls in flight"
+  peak_file="$work/in-flight-peak"
+  echo 0 >"$peak_file"
+  (
+    peak=0
+    while kill -0 "$memory_pid" 2>/dev/null; do
+      now=$(python3 - "$memory_metrics_port" <<'PY' 2>/dev/null || echo 0
+import sys, urllib.request
+page = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=1).read().decode()
+print(int(sum(float(l.split()[-1]) for l in page.splitlines()
+              if l.startswith("idempotency_grpc_calls_in_flight"))))
+PY
+)
+      if [ "$now" -gt "$peak" ]; then peak=$now; echo "$peak" >"$peak_file"; fi
+      sleep 0.2
+    done
+  ) &
+  sampler=$!
+  use_server "$memory_pid" "$memory_endpoint"
+  lsn=$(wal_lsn)
+  before=$(ticks)
+  (
+    sleep 3 # 1 s of warm-up, then 2 s
+    "$psql" -X -q -v ON_ERROR_STOP=1 "$DATABASE_URL" \
+      -c "BEGIN" -c "LOCK TABLE idempotency_records IN SHARE ROW EXCLUSIVE MODE" \
+      -c "SELECT pg_sleep(2)" -c "COMMIT" >/dev/null
+  ) &
+  stall=$!
+  "$bench_bin" --endpoint "$endpoint" --scenario new-keys --concurrency "$memory_calls" \
+    --connections 16 --no-batching --duration 6s --warmup 1s \
+    --payload-bytes "$payload" --server-pid "$server_pid" --json >"$work/service.json" 2>"$work/service.err" ||
+    { cat "$work/service.err" >&2; exit 1; }
+  report service memory "$memory_calls" 1 "$work/service.json" "$before" "$(ticks)" \
+    "$(wal_since "$lsn")" "$(vmhwm_kb)" "$(cat "$peak_file")" >>"$raw"
+  report progress "$raw"
+  wait "$stall"
+  kill "$sampler" 2>/dev/null || true
+  wait "$sampler" 2>/dev/null || true
 fi
 
 # The cost of TLS and auth: the same new-key pairs through a server with
