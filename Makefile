@@ -17,6 +17,12 @@ bench:
 # Cost as the table grows: new-key pairs with 0, 10 and 30 million live rows
 # preloaded, and bytes per key on disk (about 25 GB of disk and an hour; not in
 # CI). SCALE_ROWS, BENCH_SECONDS, BENCH_REPEATS tune it (see the script).
+# Where a new-key pair's time goes, hop by hop, at 1 and 16 callers, beside
+# pgbench's pair (a minute; not in CI). BUDGET_CONCURRENCY, BENCH_SECONDS tune it.
+.PHONY: bench-budget
+bench-budget:
+	scripts/bench-budget.sh
+
 .PHONY: bench-scale
 bench-scale:
 	scripts/bench-scale.sh
