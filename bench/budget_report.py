@@ -3,8 +3,11 @@
 pgbench and the service. Standard library only.
 
   budget_report.py C WORK PG_INSERT PG_UPDATE PG_WAL SV_ACQUIRE SV_FINISH SV_WAL
+  budget_report.py --floors C WORK PG_SELECT PG_SHAPE SV_REPLAY
 
 Statement figures are "calls|exec ms|plan ms", WAL figures "flushes|flush ms".
+The second form prints the round trips with nothing behind them and the
+replays through Postgres.
 """
 
 import json
@@ -85,9 +88,73 @@ def main(argv):
           f"WAL flushes: pgbench {pg_wal[0] / pg_insert[0] if pg_insert[0] else 0:.2f} per pair, "
           f"{us(pg_flush)} µs each; the service {sv_wal[0] / pairs if pairs else 0:.2f} per pair, "
           f"{us(sv_flush)} µs each")
+    paused = f"{work}/pgbench-paused.out"
+    try:
+        out = open(paused).read()
+        flushes, flush_ms = fields(open(f"{work}/pgbench-paused.wal").read().strip())
+        stmt = [float(x) * 1000 for x in
+                re.findall(r"^\s+([0-9.]+)\s+\d+\s+(?:INSERT|UPDATE)", out, re.M)]
+        pause = re.findall(r"^\s+[0-9.]+\s+\d+\s+\\sleep (\d+) us", out, re.M)
+        print(f"pgbench's pair with a {pause[0] if pause else '?'} µs pause before each statement: "
+              f"INSERT / UPDATE {us(stmt[0])} / {us(stmt[1])} µs (without: {us(latency[0])} / "
+              f"{us(latency[1])}); WAL flushes {flush_ms / flushes * 1000 if flushes else 0:,.0f} µs each "
+              f"(without: {us(pg_flush)})")
+    except FileNotFoundError:
+        pass
     print(f"CPU per pair: server {service['server_cpu_seconds'] * 1e6 / pairs:,.0f} µs, load generator "
           f"{service['client_cpu_seconds'] * 1e6 / pairs:,.0f} µs; machine busy {service['machine_cpu_busy']}")
 
 
+def floors(argv):
+    c, work = int(argv[1]), argv[2]
+    pg_select, pg_shape, sv_replay = map(fields, argv[3:6])
+
+    def number(name):
+        return float(open(f"{work}/{name}").read())
+
+    def report(name):
+        return json.load(open(f"{work}/{name}"))
+
+    def us(x):
+        return "-" if x is None else f"{x:,.0f}"
+
+    def row(label, mean, p50=None, rate=None):
+        print(f"| {label} | {us(mean)} | {us(p50)} | {'-' if rate is None else f'{rate:,.0f}'} |")
+
+    print(f"\n{c} callers: round trips with nothing behind them (µs per call)")
+    print()
+    print("| round trip | mean | p50 | calls/s |")
+    print("|---|---:|---:|---:|")
+    row("pgbench `SELECT 1` (to Postgres and back)", number("floor-pg.txt"))
+    for label, name in [("gRPC health Check, tonic alone", "floor-bare.json"),
+                        ("gRPC health Check, the server", "floor-health.json"),
+                        ("Acquire replayed from the server's cache", "floor-cached.json")]:
+        r = report(name)
+        row(label, r["latency_us"]["mean"], r["latency_us"]["p50"], r["ops_per_sec"])
+
+    service = report("replay-service.json")
+    before, after = prometheus(f"{work}/before.prom"), prometheus(f"{work}/after.prom")
+    req, calls = mean_us(before, after, "idempotency_request_duration_seconds",
+                     '{rpc="Acquire",outcome="completed"}')
+    st, n = mean_us(before, after, "idempotency_db_query_duration_seconds", '{query="acquire"}')
+    call = service["latency_us"]["mean"]
+    select_call, shape_call = number("replay-pg.txt"), number("replay-shape.txt")
+    print(f"\n{c} callers: a replay through Postgres (µs per call, mean; the service's p50 "
+          f"{service['latency_us']['p50']:,}, {service['ops_per_sec']:,.0f}/s, "
+          f"{calls / n if n else 0:.1f} calls per statement)")
+    print()
+    print("| per call, µs (mean) | pgbench, primary-key SELECT | pgbench, the service's Acquire statement | the service |")
+    print("|---|---:|---:|---:|")
+    print(f"| the call at the caller | {us(select_call)} | {us(shape_call)} | {us(call)} |")
+    print(f"| outside the server (client library, gRPC, wake-ups) | - | - | {us(call - req if req else None)} |")
+    print(f"| in the server, not in its statement | - | - | {us(req - st if req and st else None)} |")
+    print(f"| the statement, commit included | {us(select_call)} | {us(shape_call)} | {us(st)} |")
+    print(f"| of which Postgres execution | {us(per_call(pg_select)[0])} | {us(per_call(pg_shape)[0])} "
+          f"| {us(per_call(sv_replay)[0])} |")
+
+
 if __name__ == "__main__":
-    main(sys.argv)
+    if sys.argv[1] == "--floors":
+        floors(sys.argv[1:])
+    else:
+        main(sys.argv)

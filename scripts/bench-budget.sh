@@ -10,6 +10,18 @@
 #     statement from the server's side, commit included);
 #   - Postgres's: pg_stat_statements (execution and planning per statement)
 #     and pg_stat_wal (WAL flushes and their time).
+# At one caller also pgbench's pair with a pause of BUDGET_PAUSE_US (250) µs
+# before each statement, as long as a lone caller's statement waits outside
+# Postgres in the service: what idle gaps alone cost the statements here.
+# Then, at the same concurrency, round trips with nothing behind them, the
+# floors under every call: pgbench's `SELECT 1` (bench/pgbench/round_trip.sql:
+# a round trip to Postgres), a gRPC health Check answered by tonic alone
+# (`idempotency-bench --serve-health`: no layers, no engine) and by the
+# server, and an Acquire replayed from the server's cache.
+# Then replays through Postgres (a second server with --replay-cache-bytes
+# 0) beside pgbench's primary-key SELECT (replay.sql) and beside pgbench
+# running the service's own Acquire statement (acquire_replay.sql): what the
+# statement's shape costs in Postgres, and what the server adds to it.
 # The server and the load generator run one thread each, as in make bench.
 # docs/performance.md, "Where a call's time goes at low load", reads these.
 set -euo pipefail
@@ -25,6 +37,9 @@ if [ -z "${BUDGET_INNER:-}" ]; then
 fi
 
 seconds=${BENCH_SECONDS:-8}
+floor_seconds=${BUDGET_FLOOR_SECONDS:-4}
+BUDGET_PAUSE_US=${BUDGET_PAUSE_US:-250}
+keys=1000
 concurrencies=${BUDGET_CONCURRENCY:-1 16}
 server_bin=target/release/idempotencyd
 bench_bin=target/release/idempotency-bench
@@ -33,9 +48,11 @@ pgbench=$(command -v pgbench 2>/dev/null || echo "$pg_bin/pgbench")
 psql=$(command -v psql 2>/dev/null || echo "$pg_bin/psql")
 sql() { "$psql" -X -q -A -t -v ON_ERROR_STOP=1 "$DATABASE_URL" -c "$1"; }
 work=$(mktemp -d "${TMPDIR:-/tmp}/idempotency-budget.XXXXXX")
-server_pid=
+server_pid= uncached_pid= bare_pid=
 cleanup() {
-  if [ -n "$server_pid" ]; then kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; fi
+  for pid in $server_pid $uncached_pid $bare_pid; do
+    kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true
+  done
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -43,13 +60,46 @@ trap cleanup EXIT
 "$server_bin" migrate >"$work/migrate.log" 2>&1 || { cat "$work/migrate.log" >&2; exit 1; }
 sql "CREATE EXTENSION IF NOT EXISTS pg_stat_statements"
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+wait_port() { for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return; sleep 0.1; done; }
 grpc_port=$(free_port) metrics_port=$(free_port)
 "$server_bin" serve --grpc-addr "127.0.0.1:$grpc_port" --metrics-addr "127.0.0.1:$metrics_port" \
   --reaper-enabled false --worker-threads 1 >"$work/server.log" 2>&1 &
 server_pid=$!
-for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$grpc_port") 2>/dev/null && break; sleep 0.1; done
+uncached_port=$(free_port) uncached_metrics_port=$(free_port)
+"$server_bin" serve --grpc-addr "127.0.0.1:$uncached_port" --metrics-addr "127.0.0.1:$uncached_metrics_port" \
+  --reaper-enabled false --worker-threads 1 --replay-cache-bytes 0 >"$work/uncached.log" 2>&1 &
+uncached_pid=$!
+bare_port=$(free_port)
+"$bench_bin" --serve-health "127.0.0.1:$bare_port" --serve-for 1h --threads 1 >"$work/bare.log" 2>&1 &
+bare_pid=$!
+wait_port "$grpc_port"; wait_port "$uncached_port"; wait_port "$bare_port"
 metrics() { python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())' \
-  "http://127.0.0.1:$metrics_port/metrics"; }
+  "http://127.0.0.1:${1:-$metrics_port}/metrics"; }
+# The keys replay.sql and acquire_replay.sql read, stored as the service stores them.
+sql "INSERT INTO idempotency_records
+       (namespace, operation, subject, key, state, fingerprint, fencing_token, created_at,
+        expires_at, lease_expires_at, completed_at, response_status, response_body, response_headers)
+     SELECT 'bench', 'POST /bench', 'pgbench', 'replay-' || i, 'completed',
+            '\\x000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f'::bytea, 1, now(),
+            now() + interval '24 hours', NULL, now(), 201, convert_to(repeat('x', 256), 'UTF8'), '{}'
+     FROM generate_series(1, $keys) AS i"
+# The service's replay keys, completed once through the server without the cache.
+"$bench_bin" --endpoint "http://127.0.0.1:$uncached_port" --scenario replay --concurrency 1 \
+  --count 1 --warmup 0s --key-prefix budget --keys "$keys" --json >/dev/null
+sql ANALYZE >/dev/null
+# Generic plans and index paths, as the server's pool runs its statements.
+serving_options="-c plan_cache_mode=force_generic_plan -c enable_seqscan=off -c enable_bitmapscan=off -c jit=off"
+pgbench_mean() { # script, clients, extra args: the mean latency in µs
+  local script=$1 c=$2; shift 2
+  PGOPTIONS="$serving_options" "$pgbench" -M prepared -n -c "$c" -j 2 -T "$floor_seconds" -f "$script" "$@" \
+    "$DATABASE_URL" >"$work/floor.out" 2>&1 || { cat "$work/floor.out" >&2; exit 1; }
+  python3 -c 'import re, sys; print(float(re.search(r"latency average = ([0-9.]+) ms", open(sys.argv[1]).read()).group(1)) * 1000)' "$work/floor.out"
+}
+service_run() { # port, scenario, concurrency, extra args: the JSON report
+  local port=$1 scenario=$2 c=$3; shift 3
+  "$bench_bin" --endpoint "http://127.0.0.1:$port" --scenario "$scenario" --concurrency "$c" \
+    --duration "${floor_seconds}s" --warmup 1s --json "$@"
+}
 statements() { # a regex on the statement's text: calls|exec ms|plan ms
   sql "SELECT coalesce(sum(calls), 0), coalesce(sum(total_exec_time), 0), coalesce(sum(total_plan_time), 0)
        FROM pg_stat_statements WHERE query ~ '$1'"
@@ -64,6 +114,20 @@ for c in $concurrencies; do
     -D payload=256 "$DATABASE_URL" >"$work/pgbench.out" 2>&1 || { cat "$work/pgbench.out" >&2; exit 1; }
   pg_insert=$(statements '^INSERT INTO idempotency_records') pg_update=$(statements '^UPDATE idempotency_records')
   pg_wal=$(wal)
+  if [ "$c" = 1 ]; then
+    # The same pair with a pause before each statement, as long as a lone
+    # caller's statement waits outside Postgres in the service (the reply
+    # to the caller, its next call, the server's own work): what those
+    # pauses alone cost pgbench's statements, its backend and the disk
+    # idle meanwhile.
+    awk -v pause="$BUDGET_PAUSE_US" '/^(INSERT|UPDATE) /{print "\\sleep " pause " us"} {print}' \
+      bench/pgbench/new_key_pair.sql >"$work/pair-paused.sql"
+    say "1 callers: pgbench ${seconds}s with ${BUDGET_PAUSE_US} µs pauses"
+    reset
+    "$pgbench" -M prepared -n -c 1 -j 1 -T "$seconds" -r -f "$work/pair-paused.sql" \
+      -D payload=256 "$DATABASE_URL" >"$work/pgbench-paused.out" 2>&1 || { cat "$work/pgbench-paused.out" >&2; exit 1; }
+    wal >"$work/pgbench-paused.wal"
+  fi
   say "$c callers: the service ${seconds}s (after 2 s untimed)"
   "$bench_bin" --endpoint "http://127.0.0.1:$grpc_port" --scenario new-keys --concurrency "$c" \
     --duration 2s --warmup 0s --json >/dev/null
@@ -75,4 +139,27 @@ for c in $concurrencies; do
   sv_acquire=$(statements 'WITH input AS') sv_finish=$(statements 'WITH v AS') sv_wal=$(wal)
   python3 bench/budget_report.py "$c" "$work" "$pg_insert" "$pg_update" "$pg_wal" \
     "$sv_acquire" "$sv_finish" "$sv_wal"
+
+  say "$c callers: round trips with nothing behind them, ${floor_seconds}s each"
+  pgbench_mean bench/pgbench/round_trip.sql "$c" >"$work/floor-pg.txt"
+  service_run "$bare_port" health "$c" >"$work/floor-bare.json"
+  service_run "$grpc_port" health "$c" >"$work/floor-health.json"
+  service_run "$grpc_port" replay "$c" --key-prefix budget-cached --keys "$keys" >"$work/floor-cached.json"
+
+  say "$c callers: replays through Postgres, ${floor_seconds}s each"
+  reset
+  pgbench_mean bench/pgbench/replay.sql "$c" -D "keys=$keys" >"$work/replay-pg.txt"
+  pg_select=$(statements '^SELECT state, fingerprint')
+  reset
+  pgbench_mean bench/pgbench/acquire_replay.sql "$c" -D "keys=$keys" -D ns=bench -D "op=POST /bench" \
+    -D sub=pgbench -D "ttl=24 hours" -D "lease=60 s" -D wait=100ms \
+    -D 'fp=\x000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f' >"$work/replay-shape.txt"
+  pg_shape=$(statements 'WITH input AS')
+  reset
+  metrics "$uncached_metrics_port" >"$work/before.prom"
+  service_run "$uncached_port" replay "$c" --key-prefix budget --keys "$keys" --skip-prepare \
+    --server-pid "$uncached_pid" >"$work/replay-service.json"
+  metrics "$uncached_metrics_port" >"$work/after.prom"
+  sv_replay=$(statements 'WITH input AS')
+  python3 bench/budget_report.py --floors "$c" "$work" "$pg_select" "$pg_shape" "$sv_replay"
 done

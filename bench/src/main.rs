@@ -4,7 +4,14 @@
 //! - `new-keys`: Acquire a fresh (random) key, then Complete it (one "pair" per operation);
 //! - `replay`: Acquire keys completed beforehand (round-robin), expecting a replay;
 //! - `contention`: many callers on a few hot keys; the winner completes;
-//! - `mixed`: new keys and replays by `--mix`.
+//! - `mixed`: new keys and replays by `--mix`;
+//! - `health`: one `grpc.health.v1.Health/Check` per operation, answered
+//!   from memory: a gRPC round trip with no engine and no database behind it.
+//!
+//! `--serve-health ADDR` serves that health service alone, with tonic's
+//! defaults and none of the server's layers: against it, `--scenario health`
+//! measures what a gRPC round trip costs on this machine at all, the floor
+//! under every call of the service (`make bench-budget` prints both).
 //!
 //! Every call is made once (no retries), so errors are counted, not hidden.
 //! It stops by itself after `--duration` or `--count` operations.
@@ -42,6 +49,10 @@ use serde_json::json;
 use stats::{
     Stats, busy_fraction, machine_cpu_ticks, percentiles, percentiles_line, process_cpu_seconds,
 };
+use tonic::transport::Channel;
+use tonic_health::pb::{
+    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Scenario {
@@ -53,6 +64,8 @@ enum Scenario {
     Contention,
     /// New keys and replays by --mix.
     Mixed,
+    /// A `grpc.health.v1.Health/Check` per operation (no engine, no database).
+    Health,
 }
 
 impl Scenario {
@@ -62,6 +75,7 @@ impl Scenario {
             Scenario::Replay => "replay",
             Scenario::Contention => "contention",
             Scenario::Mixed => "mixed",
+            Scenario::Health => "health",
         }
     }
 }
@@ -206,6 +220,13 @@ struct Cli {
     /// Print one JSON object instead of the text report.
     #[arg(long)]
     json: bool,
+    /// Serve `grpc.health.v1` alone on this address (SERVING, plain text, no
+    /// layers) for --serve-for, then exit: the floor for `--scenario health`.
+    #[arg(long, value_name = "ADDR")]
+    serve_health: Option<std::net::SocketAddr>,
+    /// --serve-health: how long to serve.
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+    serve_for: Duration,
 }
 
 /// What every worker shares.
@@ -213,7 +234,11 @@ struct Plan {
     scenario: Scenario,
     concurrency: u64,
     clients: Vec<Client>,
+    /// `--scenario health`: one health stub per connection.
+    health: Vec<HealthClient<Channel>>,
     namespace: String,
+    /// Each call's deadline.
+    timeout: Duration,
     /// Distinguishes this run's keys from any earlier run's.
     run: String,
     fingerprint: Vec<u8>,
@@ -353,6 +378,21 @@ async fn acquire_and_complete(plan: &Plan, client: &Client, id: RecordId) -> OpR
     Ok((outcome, acquire_latency))
 }
 
+/// One `grpc.health.v1.Health/Check` of the whole server.
+async fn health_check(plan: &Plan, index: u64) -> OpResult {
+    let mut stub = plan.health[(index % plan.health.len() as u64) as usize].clone();
+    let started = Instant::now();
+    let mut request = tonic::Request::new(HealthCheckRequest::default());
+    request.set_timeout(plan.timeout);
+    match stub.check(request).await {
+        Ok(response) if response.get_ref().status == ServingStatus::Serving as i32 => {
+            Ok(("serving", started.elapsed()))
+        }
+        Ok(_) => Ok(("not_serving", started.elapsed())),
+        Err(status) => Err(("health", Error::Unexpected(Box::new(status)))),
+    }
+}
+
 async fn worker(plan: Arc<Plan>, index: u64) -> Stats {
     let client = &plan.clients[(index % plan.clients.len() as u64) as usize];
     let mut stats = Stats::default();
@@ -398,6 +438,7 @@ async fn worker(plan: Arc<Plan>, index: u64) -> Stats {
                 let id = plan.id(format!("hot-{}-{slot}-{epoch}", plan.run));
                 acquire_and_complete(&plan, client, id).await
             }
+            Scenario::Health => health_check(&plan, index).await,
             Scenario::Mixed => unreachable!("resolved above"),
         };
         if started < plan.measure_from {
@@ -472,10 +513,43 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the runtime")?
-        .block_on(run(cli))
+        .block_on(async {
+            match cli.serve_health {
+                Some(addr) => {
+                    let listener = tokio::net::TcpListener::bind(addr)
+                        .await
+                        .with_context(|| format!("binding {addr}"))?;
+                    eprintln!(
+                        "idempotency-bench: serving grpc.health.v1 on {addr} for {:?}",
+                        cli.serve_for
+                    );
+                    serve_health(listener, cli.serve_for).await
+                }
+                None => run(cli).await.map(drop),
+            }
+        })
 }
 
-async fn run(cli: Cli) -> anyhow::Result<()> {
+/// `--serve-health`: tonic's health service alone, with tonic's defaults
+/// (and `TCP_NODELAY`, as the service and every client here set it).
+async fn serve_health(
+    listener: tokio::net::TcpListener,
+    serve_for: Duration,
+) -> anyhow::Result<()> {
+    let (reporter, service) = tonic_health::server::health_reporter();
+    reporter
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    tonic::transport::Server::builder()
+        .add_service(service)
+        .serve_with_incoming_shutdown(incoming, tokio::time::sleep(serve_for))
+        .await
+        .context("serving health")
+}
+
+/// Runs the load and prints the report; returns what was counted.
+async fn run(cli: Cli) -> anyhow::Result<Stats> {
     if cli.scenario == Scenario::Contention && cli.concurrency < 2 {
         eprintln!("idempotency-bench: contention with one caller never contends");
     }
@@ -506,6 +580,22 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("connecting to {}", cli.endpoint))?;
         clients.push(client);
+    }
+
+    let mut health = Vec::new();
+    if cli.scenario == Scenario::Health {
+        if cli.tls_ca.is_some() || cli.bearer_token_file.is_some() {
+            bail!("--scenario health speaks plain text without credentials");
+        }
+        for _ in 0..cli.connections {
+            let channel = Channel::from_shared(cli.endpoint.clone())
+                .context("--endpoint")?
+                .tcp_nodelay(true)
+                .connect()
+                .await
+                .with_context(|| format!("connecting to {}", cli.endpoint))?;
+            health.push(HealthClient::new(channel));
+        }
     }
 
     let nanos = SystemTime::now()
@@ -545,6 +635,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         scenario: cli.scenario,
         concurrency: cli.concurrency,
         clients,
+        health,
+        timeout: cli.timeout,
         namespace: cli.namespace.clone(),
         run,
         fingerprint,
@@ -687,12 +779,58 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     for (code, message) in &total.error_samples {
         eprintln!("idempotency-bench: first {code}: {message}");
     }
-    Ok(())
+    Ok(total)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn the_health_scenario_measures_round_trips_to_the_bare_health_server() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        let server = tokio::spawn(serve_health(listener, Duration::from_secs(30)));
+        let cli = Cli::parse_from([
+            "idempotency-bench",
+            "--endpoint",
+            &endpoint,
+            "--scenario",
+            "health",
+            "--concurrency",
+            "4",
+            "--connections",
+            "2",
+            "--count",
+            "40",
+            "--warmup",
+            "0s",
+        ]);
+        let stats = run(cli).await.unwrap();
+        assert_eq!(stats.ops, 40);
+        assert_eq!(stats.outcomes.get("serving"), Some(&40));
+        assert!(stats.errors.is_empty(), "{:?}", stats.error_samples);
+        assert_eq!(stats.latency.len(), 40);
+        server.abort();
+    }
+
+    #[tokio::test]
+    async fn the_health_scenario_fails_when_no_server_is_there() {
+        // A port nobody listens on: connecting fails, and the run says so.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        drop(listener);
+        let cli = Cli::parse_from([
+            "idempotency-bench",
+            "--endpoint",
+            &endpoint,
+            "--scenario",
+            "health",
+            "--count",
+            "1",
+        ]);
+        assert!(run(cli).await.is_err());
+    }
 
     #[test]
     fn uuid_keys_are_version_4_uuids() {
