@@ -114,6 +114,7 @@ for c in $concurrencies; do
     -D payload=256 "$DATABASE_URL" >"$work/pgbench.out" 2>&1 || { cat "$work/pgbench.out" >&2; exit 1; }
   pg_insert=$(statements '^INSERT INTO idempotency_records') pg_update=$(statements '^UPDATE idempotency_records')
   pg_wal=$(wal)
+  rm -f "$work/pgbench-paused.out" "$work/pgbench-paused.wal"
   if [ "$c" = 1 ]; then
     # The same pair with a pause before each statement, as long as a lone
     # caller's statement waits outside Postgres in the service (the reply
