@@ -14,15 +14,18 @@ test:
 bench:
 	scripts/bench.sh
 
-# Cost as the table grows: new-key pairs with 0, 10 and 30 million live rows
-# preloaded, and bytes per key on disk (about 25 GB of disk and an hour; not in
-# CI). SCALE_ROWS, BENCH_SECONDS, BENCH_REPEATS tune it (see the script).
 # Where a new-key pair's time goes, hop by hop, at 1 and 16 callers, beside
-# pgbench's pair (a minute; not in CI). BUDGET_CONCURRENCY, BENCH_SECONDS tune it.
+# pgbench's pair, with the floors under every call (a Postgres round trip, a
+# gRPC round trip to tonic alone) and replays through Postgres (about five
+# minutes; not in CI). BUDGET_CONCURRENCY, BENCH_SECONDS, BUDGET_FLOOR_SECONDS
+# tune it (see the script).
 .PHONY: bench-budget
 bench-budget:
 	scripts/bench-budget.sh
 
+# Cost as the table grows: new-key pairs with 0, 10 and 30 million live rows
+# preloaded, and bytes per key on disk (about 25 GB of disk and an hour; not in
+# CI). SCALE_ROWS, BENCH_SECONDS, BENCH_REPEATS tune it (see the script).
 .PHONY: bench-scale
 bench-scale:
 	scripts/bench-scale.sh

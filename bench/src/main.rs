@@ -786,26 +786,28 @@ async fn run(cli: Cli) -> anyhow::Result<Stats> {
 mod tests {
     use super::*;
 
+    /// `--scenario health` against `endpoint`, without a warm-up, with `more`.
+    fn health_cli(endpoint: &str, more: &[&str]) -> Cli {
+        let base = [
+            "idempotency-bench",
+            "--endpoint",
+            endpoint,
+            "--scenario",
+            "health",
+        ];
+        let warmup = ["--warmup", "0s"];
+        Cli::parse_from(base.iter().chain(&warmup).chain(more))
+    }
+
     #[tokio::test]
     async fn the_health_scenario_measures_round_trips_to_the_bare_health_server() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let endpoint = format!("http://{}", listener.local_addr().unwrap());
         let server = tokio::spawn(serve_health(listener, Duration::from_secs(30)));
-        let cli = Cli::parse_from([
-            "idempotency-bench",
-            "--endpoint",
+        let cli = health_cli(
             &endpoint,
-            "--scenario",
-            "health",
-            "--concurrency",
-            "4",
-            "--connections",
-            "2",
-            "--count",
-            "40",
-            "--warmup",
-            "0s",
-        ]);
+            &["--concurrency", "4", "--connections", "2", "--count", "40"],
+        );
         let stats = run(cli).await.unwrap();
         assert_eq!(stats.ops, 40);
         assert_eq!(stats.outcomes.get("serving"), Some(&40));
@@ -820,15 +822,7 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let endpoint = format!("http://{}", listener.local_addr().unwrap());
         drop(listener);
-        let cli = Cli::parse_from([
-            "idempotency-bench",
-            "--endpoint",
-            &endpoint,
-            "--scenario",
-            "health",
-            "--count",
-            "1",
-        ]);
+        let cli = health_cli(&endpoint, &["--count", "1"]);
         assert!(run(cli).await.is_err());
     }
 

@@ -129,7 +129,25 @@ pub(super) async fn insert_or_read(
     // `$8` NULL keeps the session's setting.
     //
     // The rows are inserted in key order (`ORDER BY ord`: see `KeyOrder`).
-    const SQL: &str = "
+    let order = KeyOrder::of(inputs.iter().map(|input| &input.id));
+    let query = sqlx::query_as::<_, AttemptRow>(INSERT_OR_READ)
+        .bind(order.column(inputs, |input| input.id.namespace()))
+        .bind(order.column(inputs, |input| input.id.operation()))
+        .bind(order.column(inputs, |input| input.id.subject()))
+        .bind(order.column(inputs, |input| input.id.key()))
+        .bind(order.column(inputs, |input| input.fingerprint.as_bytes()))
+        .bind(order.column(inputs, |input| interval(input.ttl)))
+        .bind(order.column(inputs, |input| interval(input.lease)))
+        .bind(wait.lock_timeout());
+    let rows = connection
+        .run(|connection| query.fetch_all(connection))
+        .await?;
+    Ok(attempts(rows, &order, inputs.len()))
+}
+
+/// `insert_or_read`'s statement (its reasons are there). A copy of it runs in
+/// pgbench for `make bench-budget` (`bench/pgbench/acquire_replay.sql`).
+const INSERT_OR_READ: &str = "
         WITH input AS (
             SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[],
                                  $6::interval[], $7::interval[])
@@ -162,21 +180,6 @@ pub(super) async fn insert_or_read(
         WHERE NOT EXISTS (SELECT 1 FROM inserted x
                           WHERE (x.namespace, x.operation, x.subject, x.key)
                               = (i.namespace, i.operation, i.subject, i.key))";
-    let order = KeyOrder::of(inputs.iter().map(|input| &input.id));
-    let query = sqlx::query_as::<_, AttemptRow>(SQL)
-        .bind(order.column(inputs, |input| input.id.namespace()))
-        .bind(order.column(inputs, |input| input.id.operation()))
-        .bind(order.column(inputs, |input| input.id.subject()))
-        .bind(order.column(inputs, |input| input.id.key()))
-        .bind(order.column(inputs, |input| input.fingerprint.as_bytes()))
-        .bind(order.column(inputs, |input| interval(input.ttl)))
-        .bind(order.column(inputs, |input| interval(input.lease)))
-        .bind(wait.lock_timeout());
-    let rows = connection
-        .run(|connection| query.fetch_all(connection))
-        .await?;
-    Ok(attempts(rows, &order, inputs.len()))
-}
 
 /// Each input's attempt, from the statement's rows; an input without a row
 /// raced.
@@ -367,6 +370,20 @@ mod tests {
         assert_eq!(order.input(3), Some(0));
         assert_eq!(order.input(0), None);
         assert_eq!(order.input(4), None);
+    }
+
+    /// `make bench-budget` runs the Acquire statement by hand in pgbench
+    /// beside a plain SELECT; a copy that drifted would measure another
+    /// statement. Only the input differs: pgbench builds the arrays.
+    #[test]
+    fn the_pgbench_copy_of_the_acquire_statement_matches_it_after_its_input() {
+        fn after_input(sql: &str) -> String {
+            let start = sql.find("), inserted AS (").expect("the input CTE ends");
+            let words: Vec<&str> = sql[start..].split_whitespace().collect();
+            words.join(" ").trim_end_matches(';').to_owned()
+        }
+        let copy = include_str!("../../../bench/pgbench/acquire_replay.sql");
+        assert_eq!(after_input(copy), after_input(INSERT_OR_READ));
     }
 
     #[test]
