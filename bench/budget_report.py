@@ -37,6 +37,11 @@ def mean_us(before, after, name, labels):
     return (total / count * 1e6 if count else None), count
 
 
+def us(x):
+    """Microseconds as the tables print them; "-" for none."""
+    return "-" if x is None else f"{x:,.0f}"
+
+
 def per_call(stats):
     calls, exec_ms, plan_ms = stats
     return (exec_ms / calls * 1000, plan_ms / calls * 1000) if calls else (None, None)
@@ -62,9 +67,6 @@ def main(argv):
     complete_mean = service["latency_us"]["mean"] - acquire_mean
     pi, pu = per_call(pg_insert), per_call(pg_update)
     si, su = per_call(sv_acquire), per_call(sv_finish)
-
-    def us(x):
-        return "-" if x is None else f"{x:,.0f}"
 
     print(f"\n{c} callers: pgbench {tps:,.0f} pairs/s; the service {service['ops_per_sec']:,.0f} "
           f"pairs/s, pair p50 {service['latency_us']['p50']:,} µs (mean {service['latency_us']['mean']:,.0f}), "
@@ -114,9 +116,6 @@ def floors(argv):
 
     def report(name):
         return json.load(open(f"{work}/{name}"))
-
-    def us(x):
-        return "-" if x is None else f"{x:,.0f}"
 
     def row(label, mean, p50=None, rate=None):
         print(f"| {label} | {us(mean)} | {us(p50)} | {'-' if rate is None else f'{rate:,.0f}'} |")

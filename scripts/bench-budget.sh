@@ -76,13 +76,7 @@ wait_port "$grpc_port"; wait_port "$uncached_port"; wait_port "$bare_port"
 metrics() { python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())' \
   "http://127.0.0.1:${1:-$metrics_port}/metrics"; }
 # The keys replay.sql and acquire_replay.sql read, stored as the service stores them.
-sql "INSERT INTO idempotency_records
-       (namespace, operation, subject, key, state, fingerprint, fencing_token, created_at,
-        expires_at, lease_expires_at, completed_at, response_status, response_body, response_headers)
-     SELECT 'bench', 'POST /bench', 'pgbench', 'replay-' || i, 'completed',
-            '\\x000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f'::bytea, 1, now(),
-            now() + interval '24 hours', NULL, now(), 201, convert_to(repeat('x', 256), 'UTF8'), '{}'
-     FROM generate_series(1, $keys) AS i"
+"$psql" -X -q -v ON_ERROR_STOP=1 -v keys="$keys" -v payload="256" -f bench/pgbench/replay_keys.sql "$DATABASE_URL" >/dev/null
 # The service's replay keys, completed once through the server without the cache.
 "$bench_bin" --endpoint "http://127.0.0.1:$uncached_port" --scenario replay --concurrency 1 \
   --count 1 --warmup 0s --key-prefix budget --keys "$keys" --json >/dev/null

@@ -137,14 +137,7 @@ postmaster_pid=$(head -n 1 "$(sql 'SHOW data_directory')/postmaster.pid")
 "$server_bin" migrate >"$work/migrate.log" 2>&1 || { cat "$work/migrate.log" >&2; exit 1; }
 
 # The keys pgbench's replay.sql reads, stored the way the service stores them.
-sql "INSERT INTO idempotency_records
-       (namespace, operation, subject, key, state, fingerprint, fencing_token, created_at,
-        expires_at, lease_expires_at, completed_at, response_status, response_body, response_headers)
-     SELECT 'bench', 'POST /bench', 'pgbench', 'replay-' || i, 'completed',
-            '\\x000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f'::bytea, 1, now(),
-            now() + interval '24 hours', NULL, now(), 201, convert_to(repeat('x', $payload), 'UTF8'), '{}'
-     FROM generate_series(1, $keys) AS i
-     ON CONFLICT DO NOTHING"
+"$psql" -X -q -v ON_ERROR_STOP=1 -v keys="$keys" -v payload="$payload" -f bench/pgbench/replay_keys.sql "$DATABASE_URL" >/dev/null
 # Statistics from the start, as autovacuum gives a table within its first
 # minute: before any, the ceiling's prepared UPDATE (its keys an array)
 # ran at a twentieth of its speed in the first two runs. The service's own
