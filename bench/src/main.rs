@@ -267,6 +267,11 @@ const RATE_SLACK: Duration = Duration::from_millis(100);
 const SUBJECT: &str = "bench-subject";
 
 impl Plan {
+    /// The client of worker `index`: the workers share them round-robin.
+    fn client(&self, index: u64) -> &Client {
+        &self.clients[(index % self.clients.len() as u64) as usize]
+    }
+
     fn id(&self, key: String) -> RecordId {
         RecordId::new(self.namespace.clone(), OPERATION, key).with_subject(SUBJECT)
     }
@@ -394,7 +399,6 @@ async fn health_check(plan: &Plan, index: u64) -> OpResult {
 }
 
 async fn worker(plan: Arc<Plan>, index: u64) -> Stats {
-    let client = &plan.clients[(index % plan.clients.len() as u64) as usize];
     let mut stats = Stats::default();
     // Each worker starts the round-robin over the replay keys at its own place.
     let replay_count = plan.replay_keys.len().max(1) as u64;
@@ -421,12 +425,12 @@ async fn worker(plan: Arc<Plan>, index: u64) -> Stats {
                 // Random within the worker's range, like pgbench's keys and
                 // like real UUID keys: inserts land all over the index.
                 let id = plan.new_key(&mut rng, index);
-                acquire_and_complete(&plan, client, id).await
+                acquire_and_complete(&plan, plan.client(index), id).await
             }
             Scenario::Replay => {
                 let id = plan.replay_keys[(replay_next % replay_count) as usize].clone();
                 replay_next += 1;
-                acquire_and_complete(&plan, client, id).await
+                acquire_and_complete(&plan, plan.client(index), id).await
             }
             Scenario::Contention => {
                 let epoch = if plan.rotate_every.is_zero() {
@@ -436,7 +440,7 @@ async fn worker(plan: Arc<Plan>, index: u64) -> Stats {
                 };
                 let slot = rng.u64(0..plan.hot_keys);
                 let id = plan.id(format!("hot-{}-{slot}-{epoch}", plan.run));
-                acquire_and_complete(&plan, client, id).await
+                acquire_and_complete(&plan, plan.client(index), id).await
             }
             Scenario::Health => health_check(&plan, index).await,
             Scenario::Mixed => unreachable!("resolved above"),
@@ -557,8 +561,13 @@ async fn run(cli: Cli) -> anyhow::Result<Stats> {
         bail!("--duration must be positive");
     }
 
+    // `--scenario health` calls the health service alone, through its own stubs.
+    let client_connections = match cli.scenario {
+        Scenario::Health => 0,
+        _ => cli.connections,
+    };
     let mut clients = Vec::new();
-    for _ in 0..cli.connections {
+    for _ in 0..client_connections {
         // One builder per connection: each gets its own channel, so its own
         // HTTP/2 connection (one channel multiplexes every call on one).
         let mut builder = Client::builder()
