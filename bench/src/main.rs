@@ -28,6 +28,7 @@
 //! keys, tokens and policy for a server to match ([`auth_files`]).
 
 mod auth_files;
+mod floor;
 mod stats;
 
 use std::{
@@ -41,6 +42,7 @@ use std::{
 
 use anyhow::{Context, bail};
 use clap::{Parser, ValueEnum};
+use idempotency_client::pb::{self, idempotency_service_client::IdempotencyServiceClient};
 use idempotency_client::{
     AcquireRequest, Acquisition, Batching, Client, Error, RecordId, RetryPolicy, StoredResponse,
     TlsFiles, TokenSource,
@@ -224,9 +226,19 @@ struct Cli {
     /// layers) for --serve-for, then exit: the floor for `--scenario health`.
     #[arg(long, value_name = "ADDR")]
     serve_health: Option<std::net::SocketAddr>,
-    /// --serve-health: how long to serve.
+    /// Serve the floor on this address for --serve-for, then exit: Acquire
+    /// and Complete as pgbench's two statements on DATABASE_URL, behind tonic
+    /// alone (`floor.rs`), the least a gRPC service over Postgres can cost.
+    #[arg(long, value_name = "ADDR", conflicts_with = "serve_health")]
+    serve_floor: Option<std::net::SocketAddr>,
+    /// --serve-health, --serve-floor: how long to serve.
     #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
     serve_for: Duration,
+    /// New keys through the generated gRPC stub, one Acquire and one
+    /// Complete RPC per pair, instead of the client library (no batching,
+    /// no retries, no spans): with --serve-floor, a gRPC hop's floor.
+    #[arg(long, conflicts_with_all = ["tls_ca", "bearer_token_file"])]
+    raw_stub: bool,
 }
 
 /// What every worker shares.
@@ -236,6 +248,8 @@ struct Plan {
     clients: Vec<Client>,
     /// `--scenario health`: one health stub per connection.
     health: Vec<HealthClient<Channel>>,
+    /// `--raw-stub`: one generated stub per connection, in place of `clients`.
+    raw: Vec<IdempotencyServiceClient<Channel>>,
     namespace: String,
     /// Each call's deadline.
     timeout: Duration,
@@ -383,6 +397,46 @@ async fn acquire_and_complete(plan: &Plan, client: &Client, id: RecordId) -> OpR
     Ok((outcome, acquire_latency))
 }
 
+/// `--raw-stub`: a new-key pair through the generated stub, as a caller
+/// without the client library makes it: Acquire, then Complete with the
+/// token it got.
+async fn raw_pair(plan: &Plan, index: u64, id: RecordId) -> OpResult {
+    let mut stub = plan.raw[(index % plan.raw.len() as u64) as usize].clone();
+    let unexpected = |rpc, status: tonic::Status| (rpc, Error::Unexpected(Box::new(status)));
+    let pb_id = pb::RecordId {
+        namespace: id.namespace,
+        operation: id.operation,
+        subject: id.subject,
+        key: id.key,
+    };
+    let mut request = tonic::Request::new(pb::AcquireRequest {
+        id: Some(pb_id.clone()),
+        fingerprint: plan.fingerprint.clone(),
+        ..Default::default()
+    });
+    request.set_timeout(plan.timeout);
+    let started = Instant::now();
+    let acquired = stub
+        .acquire(request)
+        .await
+        .map_err(|status| unexpected("acquire", status))?;
+    let acquire_latency = started.elapsed();
+    let Some(pb::acquire_response::Outcome::Acquired(acquired)) = acquired.into_inner().outcome
+    else {
+        return Ok(("not_acquired", acquire_latency));
+    };
+    let mut request = tonic::Request::new(pb::CompleteRequest {
+        id: Some(pb_id),
+        fencing_token: acquired.fencing_token,
+        response: Some(plan.response.clone().into()),
+    });
+    request.set_timeout(plan.timeout);
+    stub.complete(request)
+        .await
+        .map_err(|status| unexpected("complete", status))?;
+    Ok(("acquired", acquire_latency))
+}
+
 /// One `grpc.health.v1.Health/Check` of the whole server.
 async fn health_check(plan: &Plan, index: u64) -> OpResult {
     let mut stub = plan.health[(index % plan.health.len() as u64) as usize].clone();
@@ -425,7 +479,11 @@ async fn worker(plan: Arc<Plan>, index: u64) -> Stats {
                 // Random within the worker's range, like pgbench's keys and
                 // like real UUID keys: inserts land all over the index.
                 let id = plan.new_key(&mut rng, index);
-                acquire_and_complete(&plan, plan.client(index), id).await
+                if plan.raw.is_empty() {
+                    acquire_and_complete(&plan, plan.client(index), id).await
+                } else {
+                    raw_pair(&plan, index, id).await
+                }
             }
             Scenario::Replay => {
                 let id = plan.replay_keys[(replay_next % replay_count) as usize].clone();
@@ -518,6 +576,18 @@ fn main() -> anyhow::Result<()> {
         .build()
         .context("starting the runtime")?
         .block_on(async {
+            if let Some(addr) = cli.serve_floor {
+                let url =
+                    std::env::var("DATABASE_URL").context("--serve-floor needs DATABASE_URL")?;
+                let listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("binding {addr}"))?;
+                eprintln!(
+                    "idempotency-bench: serving the floor on {addr} for {:?}",
+                    cli.serve_for
+                );
+                return floor::serve(listener, &url, cli.serve_for).await;
+            }
             match cli.serve_health {
                 Some(addr) => {
                     let listener = tokio::net::TcpListener::bind(addr)
@@ -552,6 +622,17 @@ async fn serve_health(
         .context("serving health")
 }
 
+/// A channel of its own (one HTTP/2 connection) with tonic's defaults and
+/// `TCP_NODELAY`, as the client library sets it.
+async fn plain_channel(endpoint: &str) -> anyhow::Result<Channel> {
+    Channel::from_shared(endpoint.to_owned())
+        .context("--endpoint")?
+        .tcp_nodelay(true)
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {endpoint}"))
+}
+
 /// Runs the load and prints the report; returns what was counted.
 async fn run(cli: Cli) -> anyhow::Result<Stats> {
     if cli.scenario == Scenario::Contention && cli.concurrency < 2 {
@@ -561,9 +642,14 @@ async fn run(cli: Cli) -> anyhow::Result<Stats> {
         bail!("--duration must be positive");
     }
 
-    // `--scenario health` calls the health service alone, through its own stubs.
+    // `--scenario health` calls the health service alone, through its own
+    // stubs, and `--raw-stub` the idempotency service through its own.
+    if cli.raw_stub && cli.scenario != Scenario::NewKeys {
+        bail!("--raw-stub makes new-key pairs only (--scenario new-keys)");
+    }
     let client_connections = match cli.scenario {
         Scenario::Health => 0,
+        _ if cli.raw_stub => 0,
         _ => cli.connections,
     };
     let mut clients = Vec::new();
@@ -597,13 +683,15 @@ async fn run(cli: Cli) -> anyhow::Result<Stats> {
             bail!("--scenario health speaks plain text without credentials");
         }
         for _ in 0..cli.connections {
-            let channel = Channel::from_shared(cli.endpoint.clone())
-                .context("--endpoint")?
-                .tcp_nodelay(true)
-                .connect()
-                .await
-                .with_context(|| format!("connecting to {}", cli.endpoint))?;
-            health.push(HealthClient::new(channel));
+            health.push(HealthClient::new(plain_channel(&cli.endpoint).await?));
+        }
+    }
+    let mut raw = Vec::new();
+    if cli.raw_stub {
+        for _ in 0..cli.connections {
+            raw.push(IdempotencyServiceClient::new(
+                plain_channel(&cli.endpoint).await?,
+            ));
         }
     }
 
@@ -645,6 +733,7 @@ async fn run(cli: Cli) -> anyhow::Result<Stats> {
         concurrency: cli.concurrency,
         clients,
         health,
+        raw,
         timeout: cli.timeout,
         namespace: cli.namespace.clone(),
         run,
