@@ -451,21 +451,9 @@ impl Store {
 
     /// Reads a record, expired or not, with the database's `now()`.
     pub async fn read(&self, id: &RecordId) -> StoreResult<Option<RecordRow>> {
-        const SQL: &str = "
-            SELECT state, fingerprint, fencing_token, created_at, expires_at, lease_expires_at,
-                   completed_at, response_status, response_body, response_headers, now() AS db_now
-            FROM idempotency_records
-            WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4";
         let _timer = QueryTimer::start("read");
-        let query = sqlx::query_as::<_, RecordRow>(SQL)
-            .bind(id.namespace())
-            .bind(id.operation())
-            .bind(id.subject())
-            .bind(id.key());
         let mut connection = self.db.connection().await?;
-        connection
-            .run(|connection| query.fetch_optional(connection))
-            .await
+        statements::read(&mut connection, id).await
     }
 
     /// Gives the key back so the next Acquire takes it over. `false`: no live
