@@ -269,9 +269,54 @@ async fn a_statement_stuck_on_a_row_lock_does_not_hold_up_other_calls() {
         .expect("completed");
     }
     assert!(!stuck_complete.is_finished());
+    // Its shared statement gave up on the row after BATCH_ROW_WAIT and the
+    // call waits alone: also a call alone in its statement (the single-row
+    // form) sets the short lock wait before it waits.
+    wait_for_metric(
+        &app.server,
+        r#"idempotency_db_calls_alone_total{query="finish"}"#,
+        |v| v == 1.0,
+    )
+    .await;
     drop(lock);
     stuck_complete
         .await
         .unwrap()
         .expect("completes once the lock is gone");
+}
+
+/// The same for a lone Acquire whose key another transaction is writing:
+/// its statement waits for the writer only briefly, then the call waits
+/// alone while Acquires of other keys go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lone_acquire_of_a_key_being_written_waits_alone() {
+    let app = spawn_app().await;
+    let mut client = app.client.clone();
+    let busy = record_id(&unique_key("busy"));
+    acquire(&mut client, &busy, b"fp").await;
+    let writer = idempotency_tests::hold_write(&app.db, &busy.key).await;
+    let waiting = {
+        let (mut client, busy) = (client.clone(), busy.clone());
+        tokio::spawn(async move { acquire(&mut client, &busy, b"fp").await })
+    };
+    wait_for_metric(
+        &app.server,
+        r#"idempotency_db_calls_alone_total{query="acquire"}"#,
+        |v| v == 1.0,
+    )
+    .await;
+    for n in 0..3 {
+        let id = record_id(&unique_key(&format!("fresh-{n}")));
+        let outcome = tokio::time::timeout(
+            std::time::Duration::from_secs(3),
+            acquire(&mut client, &id, b"fp"),
+        )
+        .await
+        .expect("not held up by the waiting Acquire");
+        assert!(matches!(outcome, Outcome::Acquired(_)), "{outcome:?}");
+    }
+    assert!(!waiting.is_finished());
+    writer.rollback().await.unwrap();
+    let outcome = waiting.await.unwrap();
+    assert!(matches!(outcome, Outcome::InProgress(_)), "{outcome:?}");
 }
