@@ -3,11 +3,13 @@
 pgbench and the service. Standard library only.
 
   budget_report.py C WORK PG_INSERT PG_UPDATE PG_WAL SV_ACQUIRE SV_FINISH SV_WAL
-  budget_report.py --floors C WORK PG_SELECT PG_SHAPE SV_REPLAY
+  budget_report.py --floors C WORK PG_SELECT PG_SHAPE SV_REPLAY SV_READ
+  budget_report.py --pairs C WORK
 
 Statement figures are "calls|exec ms|plan ms", WAL figures "flushes|flush ms".
 The second form prints the round trips with nothing behind them and the
-replays through Postgres.
+replays through Postgres, the third new-key pairs against the floor
+(idempotency-bench --serve-floor) beside the server's and pgbench's.
 """
 
 import json
@@ -109,7 +111,7 @@ def main(argv):
 
 def floors(argv):
     c, work = int(argv[1]), argv[2]
-    pg_select, pg_shape, sv_replay = map(fields, argv[3:6])
+    pg_select, pg_shape, sv_replay, sv_read = map(fields, argv[3:7])
 
     def number(name):
         return float(open(f"{work}/{name}").read())
@@ -148,12 +150,41 @@ def floors(argv):
     print(f"| outside the server (client library, gRPC, wake-ups) | - | - | {us(call - req if req else None)} |")
     print(f"| in the server, not in its statement | - | - | {us(req - st if req and st else None)} |")
     print(f"| the statement, commit included | {us(select_call)} | {us(shape_call)} | {us(st)} |")
+    # A replay alone is two statements, the insert that finds the key and
+    # the read: their execution per replay.
+    replay_exec = ((sv_replay[1] + sv_read[1]) / sv_replay[0] * 1000) if sv_replay[0] else None
     print(f"| of which Postgres execution | {us(per_call(pg_select)[0])} | {us(per_call(pg_shape)[0])} "
-          f"| {us(per_call(sv_replay)[0])} |")
+          f"| {us(replay_exec)} |")
+
+
+def pairs(argv):
+    c, work = int(argv[1]), argv[2]
+
+    def report(name):
+        return json.load(open(f"{work}/pair-{name}.json"))
+
+    pg = float(open(f"{work}/pair-pg.txt").read())
+    print(f"\n{c} callers: new-key pairs against the floor (pgbench's two statements behind tonic alone)")
+    print()
+    print("| pair (Acquire + Complete) | pairs/s | mean µs | p50 µs | over pgbench, mean µs | server CPU µs per pair |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| pgbench | {c * 1e6 / pg:,.0f} | {us(pg)} | - | - | - |")
+    for label, name in [("the floor, generated stub", "floor-stub"),
+                        ("the floor, client library", "floor-library"),
+                        ("the server, generated stub", "server-stub"),
+                        ("the server, client library", "server-library")]:
+        r = report(name)
+        cpu = r.get("server_cpu_seconds")
+        cpu = cpu * 1e6 / r["ops"] if cpu is not None and r["ops"] else None
+        mean = r["latency_us"]["mean"]
+        print(f"| {label} | {r['ops_per_sec']:,.0f} | {us(mean)} | {us(r['latency_us']['p50'])} "
+              f"| {us(mean - pg)} | {us(cpu)} |")
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--floors":
         floors(sys.argv[1:])
+    elif sys.argv[1] == "--pairs":
+        pairs(sys.argv[1:])
     else:
         main(sys.argv)

@@ -18,6 +18,11 @@
 # a round trip to Postgres), a gRPC health Check answered by tonic alone
 # (`idempotency-bench --serve-health`: no layers, no engine) and by the
 # server, and an Acquire replayed from the server's cache.
+# Then new-key pairs against the floor (`idempotency-bench --serve-floor`:
+# pgbench's two statements behind tonic alone), through the generated stub
+# and through the client library, beside the same against the server and
+# pgbench's pair: what a gRPC hop and the driver cost here at all, and what
+# our server and our client add to them.
 # Then replays through Postgres (a second server with --replay-cache-bytes
 # 0) beside pgbench's primary-key SELECT (replay.sql) and beside pgbench
 # running the service's own Acquire statement (acquire_replay.sql): what the
@@ -48,9 +53,9 @@ pgbench=$(command -v pgbench 2>/dev/null || echo "$pg_bin/pgbench")
 psql=$(command -v psql 2>/dev/null || echo "$pg_bin/psql")
 sql() { "$psql" -X -q -A -t -v ON_ERROR_STOP=1 "$DATABASE_URL" -c "$1"; }
 work=$(mktemp -d "${TMPDIR:-/tmp}/idempotency-budget.XXXXXX")
-server_pid= uncached_pid= bare_pid=
+server_pid= uncached_pid= bare_pid= floor_pid=
 cleanup() {
-  for pid in $server_pid $uncached_pid $bare_pid; do
+  for pid in $server_pid $uncached_pid $bare_pid $floor_pid; do
     kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true
   done
   rm -rf "$work"
@@ -72,7 +77,10 @@ uncached_pid=$!
 bare_port=$(free_port)
 "$bench_bin" --serve-health "127.0.0.1:$bare_port" --serve-for 1h --threads 1 >"$work/bare.log" 2>&1 &
 bare_pid=$!
-wait_port "$grpc_port"; wait_port "$uncached_port"; wait_port "$bare_port"
+floor_port=$(free_port)
+"$bench_bin" --serve-floor "127.0.0.1:$floor_port" --serve-for 1h --threads 1 >"$work/floor.log" 2>&1 &
+floor_pid=$!
+wait_port "$grpc_port"; wait_port "$uncached_port"; wait_port "$bare_port"; wait_port "$floor_port"
 metrics() { python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())' \
   "http://127.0.0.1:${1:-$metrics_port}/metrics"; }
 # The keys replay.sql and acquire_replay.sql read, stored as the service stores them.
@@ -131,9 +139,22 @@ for c in $concurrencies; do
   "$bench_bin" --endpoint "http://127.0.0.1:$grpc_port" --scenario new-keys --concurrency "$c" \
     --duration "${seconds}s" --warmup 0s --server-pid "$server_pid" --json >"$work/service.json"
   metrics >"$work/after.prom"
-  sv_acquire=$(statements 'WITH input AS') sv_finish=$(statements 'WITH v AS') sv_wal=$(wal)
+  # Both forms of each: the array statement of a batch, the plain one of a call alone.
+  sv_acquire=$(statements 'INSERT INTO idempotency_records') sv_finish=$(statements 'UPDATE idempotency_records') sv_wal=$(wal)
   python3 bench/budget_report.py "$c" "$work" "$pg_insert" "$pg_update" "$pg_wal" \
     "$sv_acquire" "$sv_finish" "$sv_wal"
+
+  say "$c callers: new-key pairs against the floor, ${floor_seconds}s each"
+  # The floor (idempotency-bench --serve-floor): pgbench's two statements
+  # behind tonic alone, one per call. Through the generated stub and through
+  # the client library, against the floor and against the server: what
+  # a gRPC hop and the driver cost, what our server and our client add.
+  service_run "$floor_port" new-keys "$c" --raw-stub >"$work/pair-floor-stub.json"
+  service_run "$floor_port" new-keys "$c" >"$work/pair-floor-library.json"
+  service_run "$grpc_port" new-keys "$c" --raw-stub --server-pid "$server_pid" >"$work/pair-server-stub.json"
+  service_run "$grpc_port" new-keys "$c" --server-pid "$server_pid" >"$work/pair-server-library.json"
+  pgbench_mean bench/pgbench/new_key_pair.sql "$c" -D payload=256 >"$work/pair-pg.txt"
+  python3 bench/budget_report.py --pairs "$c" "$work"
 
   say "$c callers: round trips with nothing behind them, ${floor_seconds}s each"
   pgbench_mean bench/pgbench/round_trip.sql "$c" >"$work/floor-pg.txt"
@@ -155,6 +176,7 @@ for c in $concurrencies; do
   service_run "$uncached_port" replay "$c" --key-prefix budget --keys "$keys" --skip-prepare \
     --server-pid "$uncached_pid" >"$work/replay-service.json"
   metrics "$uncached_metrics_port" >"$work/after.prom"
-  sv_replay=$(statements 'WITH input AS')
-  python3 bench/budget_report.py --floors "$c" "$work" "$pg_select" "$pg_shape" "$sv_replay"
+  # A call alone: the plain insert, then the read of the key it found.
+  sv_replay=$(statements 'INSERT INTO idempotency_records') sv_read=$(statements '^\s*SELECT state, fingerprint')
+  python3 bench/budget_report.py --floors "$c" "$work" "$pg_select" "$pg_shape" "$sv_replay" "$sv_read"
 done

@@ -21,7 +21,7 @@ use idempotency_proto::pb::{
     self,
     idempotency_service_server::{IdempotencyService, IdempotencyServiceServer},
 };
-use sqlx::{Connection, PgConnection, types::Json};
+use sqlx::{Connection, PgConnection, postgres::PgConnectOptions, types::Json};
 use tonic::{Request, Response, Status};
 
 /// pgbench's INSERT, with the key and fingerprint as parameters and the
@@ -49,15 +49,15 @@ type Timestamp = sqlx::types::chrono::DateTime<sqlx::types::chrono::Utc>;
 /// Serves Acquire and Complete on `listener` for `serve_for`.
 pub async fn serve(
     listener: tokio::net::TcpListener,
-    database_url: &str,
+    database: PgConnectOptions,
     serve_for: Duration,
 ) -> anyhow::Result<()> {
     // One connection at start, so that a wrong URL fails here, not per call.
-    let first = PgConnection::connect(database_url)
+    let first = PgConnection::connect_with(&database)
         .await
-        .context("connecting to DATABASE_URL")?;
+        .context("connecting to the database")?;
     let floor = Floor {
-        url: database_url.to_owned(),
+        database,
         idle: Arc::new(Mutex::new(vec![first])),
     };
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
@@ -69,7 +69,7 @@ pub async fn serve(
 }
 
 struct Floor {
-    url: String,
+    database: PgConnectOptions,
     /// Connections not running a statement: the last one put back is the
     /// next one taken, as a lone caller's would be.
     idle: Arc<Mutex<Vec<PgConnection>>>,
@@ -80,7 +80,9 @@ impl Floor {
         let idle = self.idle.lock().expect("idle connections").pop();
         match idle {
             Some(connection) => Ok(connection),
-            None => PgConnection::connect(&self.url).await.map_err(unavailable),
+            None => PgConnection::connect_with(&self.database)
+                .await
+                .map_err(unavailable),
         }
     }
 

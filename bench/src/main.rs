@@ -577,8 +577,10 @@ fn main() -> anyhow::Result<()> {
         .context("starting the runtime")?
         .block_on(async {
             if let Some(addr) = cli.serve_floor {
-                let url =
-                    std::env::var("DATABASE_URL").context("--serve-floor needs DATABASE_URL")?;
+                let database = std::env::var("DATABASE_URL")
+                    .context("--serve-floor needs DATABASE_URL")?
+                    .parse()
+                    .context("DATABASE_URL")?;
                 let listener = tokio::net::TcpListener::bind(addr)
                     .await
                     .with_context(|| format!("binding {addr}"))?;
@@ -586,7 +588,7 @@ fn main() -> anyhow::Result<()> {
                     "idempotency-bench: serving the floor on {addr} for {:?}",
                     cli.serve_for
                 );
-                return floor::serve(listener, &url, cli.serve_for).await;
+                return floor::serve(listener, database, cli.serve_for).await;
             }
             match cli.serve_health {
                 Some(addr) => {
@@ -922,6 +924,70 @@ mod tests {
         drop(listener);
         let cli = health_cli(&endpoint, &["--count", "1"]);
         assert!(run(cli).await.is_err());
+    }
+
+    /// `--serve-floor` on a database of its own (under DATABASE_URL, as
+    /// `make test` sets it), called through the generated stub and through
+    /// the client library: every pair is answered and stored completed.
+    #[tokio::test]
+    async fn the_floor_serves_new_key_pairs_to_the_stub_and_to_the_client_library() {
+        use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, postgres::PgConnectOptions};
+        let admin_options: PgConnectOptions = std::env::var("DATABASE_URL")
+            .expect("DATABASE_URL is not set: run the tests with `make test`")
+            .parse()
+            .unwrap();
+        let name = format!("bench_floor_{}", std::process::id());
+        let mut admin = PgConnection::connect_with(&admin_options).await.unwrap();
+        admin
+            .execute(AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name}")))
+            .await
+            .unwrap();
+        admin
+            .execute(AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .await
+            .unwrap();
+        let database = admin_options.database(&name);
+        let mut connection = PgConnection::connect_with(&database).await.unwrap();
+        sqlx::migrate!("../migrations")
+            .run(&mut connection)
+            .await
+            .unwrap();
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        let server = tokio::spawn(floor::serve(listener, database, Duration::from_secs(60)));
+        let new_keys = |more: &[&str]| {
+            let base = [
+                "idempotency-bench",
+                "--endpoint",
+                &endpoint,
+                "--warmup",
+                "0s",
+            ];
+            let count = ["--concurrency", "3", "--count", "20"];
+            Cli::parse_from(base.iter().chain(&count).chain(more))
+        };
+        for cli in [new_keys(&["--raw-stub"]), new_keys(&[])] {
+            let stats = run(cli).await.unwrap();
+            assert!(stats.errors.is_empty(), "{:?}", stats.error_samples);
+            assert_eq!(stats.ops, 20);
+        }
+        let completed: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM idempotency_records WHERE state = 'completed'",
+        )
+        .fetch_one(&mut connection)
+        .await
+        .unwrap();
+        assert_eq!(completed, 40);
+
+        server.abort();
+        drop(connection);
+        admin
+            .execute(AssertSqlSafe(format!(
+                "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+            )))
+            .await
+            .unwrap();
     }
 
     #[test]
