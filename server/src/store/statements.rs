@@ -16,7 +16,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use sqlx::types::Json;
+use sqlx::{Postgres, postgres::PgArguments, query::QueryAs, types::Json};
 
 use super::{
     AcquiredRow, Connection, RecordRow, StoreResult, interval,
@@ -209,15 +209,11 @@ async fn insert_or_read_one(
               IS NOT NULL
         ON CONFLICT (namespace, operation, subject, key) DO NOTHING
         RETURNING fencing_token, lease_expires_at, expires_at";
-    let insert = sqlx::query_as::<_, (i64, Timestamp, Timestamp)>(INSERT_ONE)
-        .bind(input.id.namespace())
-        .bind(input.id.operation())
-        .bind(input.id.subject())
-        .bind(input.id.key())
-        .bind(input.fingerprint.as_bytes())
-        .bind(interval(input.ttl))
-        .bind(interval(input.lease))
-        .bind(wait.lock_timeout());
+    let insert = bind_acquire(
+        sqlx::query_as::<_, (i64, Timestamp, Timestamp)>(INSERT_ONE),
+        input,
+    )
+    .bind(wait.lock_timeout());
     let inserted = connection
         .run(|connection| insert.fetch_optional(connection))
         .await?;
@@ -234,6 +230,21 @@ async fn insert_or_read_one(
         Some(row) => AcquireAttempt::Existing(row),
         None => AcquireAttempt::Raced,
     })
+}
+
+/// An Acquire's `$1`..`$7`: its record's key, fingerprint, lifetime and lease.
+fn bind_acquire<'q, O>(
+    query: QueryAs<'q, Postgres, O, PgArguments>,
+    input: &'q AcquireInput,
+) -> QueryAs<'q, Postgres, O, PgArguments> {
+    query
+        .bind(input.id.namespace())
+        .bind(input.id.operation())
+        .bind(input.id.subject())
+        .bind(input.id.key())
+        .bind(input.fingerprint.as_bytes())
+        .bind(interval(input.ttl))
+        .bind(interval(input.lease))
 }
 
 /// Reads a record, expired or not, with the database's `now()`.
@@ -445,14 +456,7 @@ pub(super) async fn take_over(
             RETURNING fencing_token, lease_expires_at, expires_at, previous_state
         )
         SELECT * FROM expired UNION ALL SELECT * FROM next_attempt";
-    let query = sqlx::query_as::<_, AcquiredRow>(SQL)
-        .bind(input.id.namespace())
-        .bind(input.id.operation())
-        .bind(input.id.subject())
-        .bind(input.id.key())
-        .bind(input.fingerprint.as_bytes())
-        .bind(interval(input.ttl))
-        .bind(interval(input.lease));
+    let query = bind_acquire(sqlx::query_as::<_, AcquiredRow>(SQL), input);
     connection
         .run(|connection| query.fetch_optional(connection))
         .await
