@@ -16,8 +16,8 @@ bench:
 
 # Where a new-key pair's time goes, hop by hop, at 1 and 16 callers, beside
 # pgbench's pair, with the floors under every call (a Postgres round trip, a
-# gRPC round trip to tonic alone) and replays through Postgres (about five
-# minutes; not in CI). BUDGET_CONCURRENCY, BENCH_SECONDS, BUDGET_FLOOR_SECONDS
+# gRPC round trip to tonic alone, pgbench's pair behind tonic alone) and
+# replays through Postgres (about six minutes after the build; not in CI). BUDGET_CONCURRENCY, BENCH_SECONDS, BUDGET_FLOOR_SECONDS
 # tune it (see the script).
 .PHONY: bench-budget
 bench-budget:
