@@ -379,7 +379,7 @@ async fn finish_one(
           AND set_config('lock_timeout', coalesce($10, current_setting('lock_timeout')), true)
               IS NOT NULL
         RETURNING completed_at";
-    let query = sqlx::query_scalar::<_, Option<Timestamp>>(SQL)
+    let query = sqlx::query_scalar::<_, Timestamp>(SQL)
         .bind(input.id.namespace())
         .bind(input.id.operation())
         .bind(input.id.subject())
@@ -390,10 +390,9 @@ async fn finish_one(
         .bind(input.response.body.as_slice())
         .bind(Json(&input.response.headers))
         .bind(wait.lock_timeout());
-    let finished = connection
+    connection
         .run(|connection| query.fetch_optional(connection))
-        .await?;
-    Ok(finished.flatten())
+        .await
 }
 
 /// Takes over a record that expired, was released, or whose lease passed
