@@ -412,7 +412,11 @@ async fn raw_pair(plan: &Plan, index: u64, id: RecordId) -> OpResult {
     let mut request = tonic::Request::new(pb::AcquireRequest {
         id: Some(pb_id.clone()),
         fingerprint: plan.fingerprint.clone(),
-        ..Default::default()
+        // `--ttl`, as the client library's pairs send it.
+        ttl: plan
+            .ttl
+            .and_then(|ttl| prost_types::Duration::try_from(ttl).ok()),
+        lease: None,
     });
     request.set_timeout(plan.timeout);
     let started = Instant::now();
@@ -581,29 +585,30 @@ fn main() -> anyhow::Result<()> {
                     .context("--serve-floor needs DATABASE_URL")?
                     .parse()
                     .context("DATABASE_URL")?;
-                let listener = tokio::net::TcpListener::bind(addr)
-                    .await
-                    .with_context(|| format!("binding {addr}"))?;
-                eprintln!(
-                    "idempotency-bench: serving the floor on {addr} for {:?}",
-                    cli.serve_for
-                );
+                let listener = listen(addr, "the floor", cli.serve_for).await?;
                 return floor::serve(listener, database, cli.serve_for).await;
             }
             match cli.serve_health {
                 Some(addr) => {
-                    let listener = tokio::net::TcpListener::bind(addr)
-                        .await
-                        .with_context(|| format!("binding {addr}"))?;
-                    eprintln!(
-                        "idempotency-bench: serving grpc.health.v1 on {addr} for {:?}",
-                        cli.serve_for
-                    );
+                    let listener = listen(addr, "grpc.health.v1", cli.serve_for).await?;
                     serve_health(listener, cli.serve_for).await
                 }
                 None => run(cli).await.map(drop),
             }
         })
+}
+
+/// Binds `addr` for `--serve-health` or `--serve-floor` and says what serves there.
+async fn listen(
+    addr: std::net::SocketAddr,
+    what: &str,
+    serve_for: Duration,
+) -> anyhow::Result<tokio::net::TcpListener> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    eprintln!("idempotency-bench: serving {what} on {addr} for {serve_for:?}");
+    Ok(listener)
 }
 
 /// `--serve-health`: tonic's health service alone, with tonic's defaults
