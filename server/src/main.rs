@@ -72,7 +72,7 @@ async fn reap(args: ReapArgs) -> anyhow::Result<ExitCode> {
 
 async fn admin(args: AdminArgs) -> anyhow::Result<ExitCode> {
     // stdout is the command's answer; logs and audit lines go to stderr.
-    telemetry::init_logs_to(&args.log, std::io::stderr);
+    telemetry::init_logs_to_stderr(&args.log);
     let (_, options) = startup::database_url(&args.database)?;
     let pool = startup::pool(&args.database, options, false);
     let mut out = std::io::stdout().lock();

@@ -6,7 +6,7 @@
 //! call's `trace_id` (see [`crate::grpc::trace`]), so that log collectors
 //! find it in one place whatever span the line came from.
 
-use std::{fmt as stdfmt, sync::OnceLock};
+use std::{fmt as stdfmt, io::IsTerminal, sync::OnceLock};
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tracing::{Event, Subscriber};
@@ -33,16 +33,13 @@ pub const AUDIT_TARGET: &str = "audit";
 /// Installs the global log subscriber, writing to stdout. Call once, first
 /// thing in `main`.
 pub fn init_logs(args: &LogArgs) {
-    init_logs_to(args, std::io::stdout);
+    let _ = init_with_export(args, Output::stdout(), None);
 }
 
-/// Installs the global log subscriber, writing to `writer`: stderr for the
-/// commands whose stdout is their answer (`admin`).
-pub fn init_logs_to<W>(args: &LogArgs, writer: W)
-where
-    W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
-{
-    let _ = init_with_export(args, writer, None);
+/// Installs the global log subscriber, writing to stderr: for the commands
+/// whose stdout is their answer (`admin`).
+pub fn init_logs_to_stderr(args: &LogArgs) {
+    let _ = init_with_export(args, Output::stderr(), None);
 }
 
 /// The log subscriber of `serve`: [`init_logs`], and with `otlp_endpoint`
@@ -52,7 +49,39 @@ pub fn init_serve_logs(
     args: &LogArgs,
     otlp_endpoint: Option<&url::Url>,
 ) -> Result<Telemetry, TelemetryError> {
-    init_with_export(args, std::io::stdout, otlp_endpoint)
+    init_with_export(args, Output::stdout(), otlp_endpoint)
+}
+
+/// Where log lines go, and whether text lines are coloured there.
+struct Output<W> {
+    writer: W,
+    ansi: bool,
+}
+
+impl Output<fn() -> std::io::Stdout> {
+    fn stdout() -> Self {
+        Self::colour_if_terminal(std::io::stdout, std::io::stdout().is_terminal())
+    }
+}
+
+impl Output<fn() -> std::io::Stderr> {
+    fn stderr() -> Self {
+        Self::colour_if_terminal(std::io::stderr, std::io::stderr().is_terminal())
+    }
+}
+
+impl<W> Output<W> {
+    /// Colours (ANSI escapes) only for a person at a terminal who has not
+    /// set `NO_COLOR`: a file, a pipe or a container's log collector gets
+    /// plain text, which is also cheaper to write (each call's span fields
+    /// are formatted whether or not a line is logged).
+    fn colour_if_terminal(writer: W, terminal: bool) -> Self {
+        let no_color = std::env::var_os("NO_COLOR").is_some_and(|value| !value.is_empty());
+        Self {
+            writer,
+            ansi: terminal && !no_color,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -69,7 +98,7 @@ pub enum TelemetryError {
 
 fn init_with_export<W>(
     args: &LogArgs,
-    writer: W,
+    output: Output<W>,
     otlp_endpoint: Option<&url::Url>,
 ) -> Result<Telemetry, TelemetryError>
 where
@@ -78,7 +107,8 @@ where
     let builder = fmt()
         .with_env_filter(filter(&args.log_level))
         .with_target(true)
-        .with_writer(writer);
+        .with_ansi(output.ansi)
+        .with_writer(output.writer);
     match args.log_format {
         LogFormat::Text => install(builder.finish(), otlp_endpoint),
         LogFormat::Json => install(

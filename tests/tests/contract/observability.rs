@@ -309,3 +309,41 @@ async fn the_metrics_page_passes_promtool_check_metrics() {
         String::from_utf8_lossy(&output.stderr)
     );
 }
+
+/// Text log lines written to a pipe (a file, a container's log collector)
+/// carry no colour codes: they stay greppable and parse as plain text.
+#[tokio::test]
+async fn text_logs_to_a_pipe_carry_no_colour_codes() {
+    use std::io::{BufRead, BufReader};
+    let db = TestDb::new().await;
+    let mut child = std::process::Command::new(idempotency_tests::process::idempotencyd())
+        .args([
+            "serve",
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ])
+        .args(["--log-format", "text", "--reaper-enabled", "false"])
+        .env_clear()
+        .env("DATABASE_URL", db.url().as_str())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting idempotencyd");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let announced = tokio::task::spawn_blocking(move || {
+        BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .find(|line| line.contains("serving gRPC"))
+    });
+    let announced = tokio::time::timeout(Duration::from_secs(30), announced).await;
+    let _ = child.kill();
+    let _ = child.wait();
+    let line = announced
+        .expect("announced within 30 s")
+        .unwrap()
+        .expect("a line announcing the gRPC port");
+    assert!(!line.contains('\u{1b}'), "colour codes in {line:?}");
+    assert!(line.contains("addr=127.0.0.1:"), "{line}");
+}
