@@ -17,6 +17,7 @@ use std::{
 };
 
 use futures_util::future::{BoxFuture, Either, Ready, ready};
+use metrics::Gauge;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::Code;
 
@@ -28,15 +29,19 @@ use crate::metrics::{GRPC_CALLS_IN_FLIGHT, GRPC_CALLS_REFUSED_TOTAL};
 pub struct CallLimitLayer {
     permits: Arc<Semaphore>,
     max: usize,
+    in_flight: Gauge,
 }
 
 impl CallLimitLayer {
     pub fn new(max: usize) -> Self {
-        // Exported from the start, not from the first call on.
-        metrics::gauge!(GRPC_CALLS_IN_FLIGHT).increment(0.0);
+        // Registered once, not per call, and exported from the start, not
+        // from the first call on.
+        let in_flight = metrics::gauge!(GRPC_CALLS_IN_FLIGHT);
+        in_flight.increment(0.0);
         Self {
             permits: Arc::new(Semaphore::new(max)),
             max,
+            in_flight,
         }
     }
 }
@@ -49,6 +54,7 @@ impl<S> tower::Layer<S> for CallLimitLayer {
             inner,
             permits: self.permits.clone(),
             max: self.max,
+            in_flight: self.in_flight.clone(),
         }
     }
 }
@@ -59,6 +65,7 @@ pub struct CallLimit<S> {
     inner: S,
     permits: Arc<Semaphore>,
     max: usize,
+    in_flight: Gauge,
 }
 
 impl<S, B> tower::Service<http::Request<B>> for CallLimit<S>
@@ -90,8 +97,11 @@ where
             );
             return Either::Left(ready(Ok(status.into_http())));
         };
-        metrics::gauge!(GRPC_CALLS_IN_FLIGHT).increment(1.0);
-        let in_flight = InFlight { _permit: permit };
+        self.in_flight.increment(1.0);
+        let in_flight = InFlight {
+            _permit: permit,
+            gauge: self.in_flight.clone(),
+        };
         let call = self.inner.call(request);
         Either::Right(Box::pin(async move {
             let answer = call.await;
@@ -104,10 +114,11 @@ where
 /// A call's permit, given back when its answer is ready or it is cancelled.
 struct InFlight {
     _permit: OwnedSemaphorePermit,
+    gauge: Gauge,
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        metrics::gauge!(GRPC_CALLS_IN_FLIGHT).decrement(1.0);
+        self.gauge.decrement(1.0);
     }
 }

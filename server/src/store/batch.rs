@@ -166,9 +166,13 @@ impl<S: Statement> Batcher<S> {
         let queue = Arc::new(Queue::default());
         let statement = Arc::new(statement);
         let running = Arc::new(Running::default());
+        // Registered once, not per statement. A handle registered before the
+        // recorder would record nowhere.
+        crate::telemetry::metrics_handle();
+        let batch_size = metrics::histogram!(crate::metrics::DB_BATCH_SIZE, "query" => name);
         for _ in 0..settings.workers.max(1) {
             let worker = Worker {
-                name,
+                batch_size: batch_size.clone(),
                 settings,
                 queue: queue.clone(),
                 running: running.clone(),
@@ -599,7 +603,8 @@ impl<'q, I, O> Batch<'q, I, O> {
 /// One of a batcher's workers: it runs one statement at a time, with the
 /// session it keeps between them.
 struct Worker<S: Statement> {
-    name: &'static str,
+    /// Calls per statement (`idempotency_db_batch_size`).
+    batch_size: metrics::Histogram,
     settings: BatchSettings,
     /// Shared by the batcher's workers, like `running`.
     queue: Arc<QueueOf<S>>,
@@ -617,8 +622,7 @@ impl<S: Statement> Worker<S> {
             if taken.jobs.is_empty() {
                 continue; // Another worker took them, or their callers left.
             }
-            metrics::histogram!(crate::metrics::DB_BATCH_SIZE, "query" => self.name)
-                .record(taken.jobs.len() as f64);
+            self.batch_size.record(taken.jobs.len() as f64);
             self.run_batch(std::mem::take(&mut taken.jobs)).await;
             // `taken` drops here: its records' later calls may run.
         }

@@ -48,7 +48,11 @@ pub mod stats;
 
 pub use records::{AcquireAttempt, AcquireInput, FinishInput};
 
-use std::{collections::BTreeMap, sync::Arc, time::Duration};
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
 
 use sqlx::{
     PgConnection, PgPool, Postgres, pool::PoolConnection, postgres::types::PgInterval, types::Json,
@@ -56,7 +60,7 @@ use sqlx::{
 
 use crate::{
     domain::{FencingToken, Fingerprint, RecordId, RecordState, StoredResponse, Timestamp},
-    metrics::{DB_POOL_WAIT_SECONDS, QueryTimer},
+    metrics::{DB_POOL_WAIT_SECONDS, query},
 };
 
 /// A failed statement, sorted by what the caller can do about it.
@@ -274,7 +278,7 @@ impl Db {
     async fn connection(&self) -> StoreResult<Connection> {
         let started = std::time::Instant::now();
         let connection = self.pool.acquire().await;
-        metrics::histogram!(DB_POOL_WAIT_SECONDS).record(started.elapsed().as_secs_f64());
+        pool_wait().record(started.elapsed().as_secs_f64());
         // No connection says nothing about the request, whatever the error:
         // during a failover a proxy with no primary behind it accepts and
         // closes connections, which sqlx reports as a protocol error (the
@@ -301,6 +305,16 @@ impl Db {
         }
         Ok(kept.as_mut().expect("a connection was just put there"))
     }
+}
+
+/// `idempotency_db_pool_wait_seconds`, registered once, not per call.
+fn pool_wait() -> &'static metrics::Histogram {
+    static POOL_WAIT: OnceLock<metrics::Histogram> = OnceLock::new();
+    POOL_WAIT.get_or_init(|| {
+        // A handle registered before the recorder would record nowhere.
+        crate::telemetry::metrics_handle();
+        metrics::histogram!(DB_POOL_WAIT_SECONDS)
+    })
 }
 
 impl std::fmt::Debug for Store {
@@ -451,7 +465,7 @@ impl Store {
 
     /// Reads a record, expired or not, with the database's `now()`.
     pub async fn read(&self, id: &RecordId) -> StoreResult<Option<RecordRow>> {
-        let _timer = QueryTimer::start("read");
+        let _timer = query::READ.timer();
         let mut connection = self.db.connection().await?;
         statements::read(&mut connection, id).await
     }
@@ -464,7 +478,7 @@ impl Store {
             SET state = 'released', lease_expires_at = NULL
             WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
               AND fencing_token = $5 AND state = 'in_progress' AND expires_at > now()";
-        let _timer = QueryTimer::start("release");
+        let _timer = query::RELEASE.timer();
         let query = sqlx::query(SQL)
             .bind(id.namespace())
             .bind(id.operation())
@@ -493,7 +507,7 @@ impl Store {
             WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
               AND fencing_token = $5 AND state = 'in_progress' AND expires_at > now()
             RETURNING lease_expires_at, expires_at";
-        let _timer = QueryTimer::start("renew");
+        let _timer = query::RENEW.timer();
         let query = sqlx::query_as::<_, (Timestamp, Timestamp)>(SQL)
             .bind(id.namespace())
             .bind(id.operation())

@@ -7,7 +7,7 @@ use std::time::Duration;
 use sqlx::{Connection, PgConnection, PgPool};
 
 use super::{StoreError, StoreResult};
-use crate::metrics::{QueryTimer, REAPER_DELETED_TOTAL};
+use crate::metrics::{REAPER_DELETED_TOTAL, query};
 
 /// Session advisory lock that makes one replica the reaper; the others skip.
 /// The number is arbitrary but fixed: every version of the service must agree.
@@ -95,7 +95,7 @@ async fn delete_batches(
         let this_batch =
             batch_size.min(i64::try_from(limits.max_per_run - deleted).unwrap_or(i64::MAX));
         let rows = {
-            let _timer = QueryTimer::start("reap");
+            let _timer = query::REAP.timer();
             sqlx::query(SQL)
                 .bind(this_batch)
                 .execute(&mut *connection)

@@ -14,7 +14,7 @@ use super::{
 };
 use crate::{
     domain::{FencingToken, Fingerprint, RecordId, RecordState, StoredResponse, Timestamp},
-    metrics::QueryTimer,
+    metrics::query,
 };
 
 /// One Acquire as the store sees it.
@@ -121,7 +121,7 @@ impl Store {
     /// Takes over a record that expired, was released, or whose lease passed
     /// (when the fingerprints agree). `None`: it is no longer takeable.
     pub async fn take_over(&self, input: &AcquireInput) -> StoreResult<Option<AcquiredRow>> {
-        let _timer = QueryTimer::start("take_over");
+        let _timer = query::TAKE_OVER.timer();
         let mut connection = self.db.connection().await?;
         statements::take_over(&mut connection, input).await
     }
@@ -129,7 +129,7 @@ impl Store {
 
 /// One insert-or-read on a connection of its own, that may wait for its row.
 async fn insert_or_read_alone(db: &Db, input: Arc<AcquireInput>) -> StoreResult<AcquireAttempt> {
-    let _timer = QueryTimer::start("acquire");
+    let _timer = query::ACQUIRE.timer();
     let mut connection = db.connection().await?;
     let attempts = statements::insert_or_read(&mut connection, &[input], RowWait::Full).await?;
     single(attempts)
@@ -137,7 +137,7 @@ async fn insert_or_read_alone(db: &Db, input: Arc<AcquireInput>) -> StoreResult<
 
 /// One finish on a connection of its own, that may wait for its row.
 async fn finish_alone(db: &Db, input: Arc<FinishInput>) -> StoreResult<Option<Timestamp>> {
-    let _timer = QueryTimer::start("finish");
+    let _timer = query::FINISH.timer();
     let mut connection = db.connection().await?;
     let finished = statements::finish(&mut connection, &[input], RowWait::Full).await?;
     single(finished)
@@ -187,7 +187,7 @@ impl Statement for Acquires {
         kept: &mut Option<Connection>,
         inputs: &[Arc<AcquireInput>],
     ) -> StoreResult<Vec<AcquireAttempt>> {
-        let _timer = QueryTimer::start("acquire");
+        let _timer = query::ACQUIRE.timer();
         let connection = self.0.kept(kept).await?;
         statements::insert_or_read(connection, inputs, RowWait::Brief).await
     }
@@ -210,7 +210,7 @@ impl Statement for Finishes {
         kept: &mut Option<Connection>,
         inputs: &[Arc<FinishInput>],
     ) -> StoreResult<Vec<Option<Timestamp>>> {
-        let _timer = QueryTimer::start("finish");
+        let _timer = query::FINISH.timer();
         let connection = self.0.kept(kept).await?;
         statements::finish(connection, inputs, RowWait::Brief).await
     }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use sqlx::PgPool;
 
 use super::StoreResult;
-use crate::metrics::QueryTimer;
+use crate::metrics::query;
 
 /// Below this many pages (8 KiB each, so 8 MiB) rows are counted exactly;
 /// above, they are estimated from planner statistics.
@@ -23,7 +23,7 @@ pub struct TableStats {
 }
 
 pub async fn table_stats(pool: &PgPool) -> StoreResult<TableStats> {
-    let _timer = QueryTimer::start("table_stats");
+    let _timer = query::TABLE_STATS.timer();
     // The page count from the file size: relpages is 0 until the first ANALYZE.
     let (total_bytes, pages, reltuples, reaper_backlog_seconds): (i64, i64, f32, f64) =
         sqlx::query_as(
