@@ -391,11 +391,17 @@ impl Query {
 
     fn duration(&'static self) -> &'static Histogram {
         self.duration.get_or_init(|| {
-            // A handle registered before the recorder would record nowhere.
-            crate::telemetry::metrics_handle();
-            metrics::histogram!(DB_QUERY_DURATION_SECONDS, "query" => self.name)
+            kept(|| metrics::histogram!(DB_QUERY_DURATION_SECONDS, "query" => self.name))
         })
     }
+}
+
+/// Registers a series whose handle is kept, not looked up per use: after
+/// the recorder is installed (installing it if need be), as a handle
+/// registered before it would record nowhere, for good.
+pub fn kept<T>(register: impl FnOnce() -> T) -> T {
+    crate::telemetry::metrics_handle();
+    register()
 }
 
 /// Every kind of statement the service times.

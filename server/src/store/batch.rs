@@ -166,10 +166,9 @@ impl<S: Statement> Batcher<S> {
         let queue = Arc::new(Queue::default());
         let statement = Arc::new(statement);
         let running = Arc::new(Running::default());
-        // Registered once, not per statement. A handle registered before the
-        // recorder would record nowhere.
-        crate::telemetry::metrics_handle();
-        let batch_size = metrics::histogram!(crate::metrics::DB_BATCH_SIZE, "query" => name);
+        let batch_size = crate::metrics::kept(
+            || metrics::histogram!(crate::metrics::DB_BATCH_SIZE, "query" => name),
+        );
         for _ in 0..settings.workers.max(1) {
             let worker = Worker {
                 batch_size: batch_size.clone(),

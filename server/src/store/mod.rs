@@ -310,11 +310,7 @@ impl Db {
 /// `idempotency_db_pool_wait_seconds`, registered once, not per call.
 fn pool_wait() -> &'static metrics::Histogram {
     static POOL_WAIT: OnceLock<metrics::Histogram> = OnceLock::new();
-    POOL_WAIT.get_or_init(|| {
-        // A handle registered before the recorder would record nowhere.
-        crate::telemetry::metrics_handle();
-        metrics::histogram!(DB_POOL_WAIT_SECONDS)
-    })
+    POOL_WAIT.get_or_init(|| crate::metrics::kept(|| metrics::histogram!(DB_POOL_WAIT_SECONDS)))
 }
 
 impl std::fmt::Debug for Store {
