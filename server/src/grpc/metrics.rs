@@ -1,7 +1,9 @@
 //! Per-call metrics. The guard records on drop, so a call whose client went
 //! away (its future dropped mid-flight) is still counted, as `cancelled`.
-//! It also fills in the call's span (see [`super::trace`]): the namespace,
-//! and a unary call's outcome (a batch's items each have their own).
+//! It also fills in a unary call's span (see [`super::trace`]): its
+//! namespace and outcome. A batch's items each have their own, so they
+//! leave the span to the batch (`super::service`), which names its
+//! namespaces there once.
 
 use std::time::Instant;
 
@@ -54,7 +56,9 @@ impl<'a> CallMetrics<'a> {
     /// Names the caller's namespace once the request parsed.
     pub fn namespace(&mut self, namespace: &str) {
         self.namespace = self.labels.label(namespace);
-        tracing::Span::current().record("namespace", namespace);
+        if !self.item {
+            tracing::Span::current().record("namespace", namespace);
+        }
     }
 
     /// Records how the call ended: `ok`, or the error's code.

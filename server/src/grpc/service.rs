@@ -19,7 +19,7 @@ use super::{
     status::{batch_reply_full, to_rpc_status, to_status},
 };
 use crate::{
-    domain::{AcquireOutcome, InvalidField, Timestamp},
+    domain::{AcquireOutcome, InvalidField, RecordId, Timestamp},
     engine::{AcquireRequest, CompleteRequest, Engine},
     error::Error,
     metrics::NamespaceLabels,
@@ -123,6 +123,7 @@ impl GrpcService {
         answer: impl Fn(&mut CallMetrics<'_>, Result<Out, Error>) -> Result<T, Status>,
     ) -> Result<Vec<Result<T, tonic_types::pb::Status>>, Status>
     where
+        Parsed: OfRecord,
         Fut: Future<Output = Vec<Result<Out, Error>>>,
         T: ItemAnswer,
     {
@@ -137,6 +138,7 @@ impl GrpcService {
                 (call, taken)
             })
             .collect();
+        record_namespaces(&valid);
         let mut outcomes = run(valid).await.into_iter();
         let budget = ReplyBudget::new(self.engine.limits().max_message_bytes());
         Ok(items
@@ -165,6 +167,50 @@ impl GrpcService {
         CallMetrics::start(rpc, &self.namespaces).finish(&refused);
         refused
     }
+}
+
+/// A parsed batch item: the record it is about.
+trait OfRecord {
+    fn record_id(&self) -> &RecordId;
+}
+
+impl OfRecord for AcquireRequest {
+    fn record_id(&self) -> &RecordId {
+        &self.id
+    }
+}
+
+impl OfRecord for CompleteRequest {
+    fn record_id(&self) -> &RecordId {
+        &self.id
+    }
+}
+
+/// Names a batch call's namespaces in its span, once: its valid items'
+/// namespace, or, when they differ, each of them in the items' order,
+/// comma-separated (a namespace holds no comma). Recording it per item
+/// would repeat the field in every text log line of the call.
+fn record_namespaces(items: &[impl OfRecord]) {
+    let Some((first, rest)) = items.split_first() else {
+        return;
+    };
+    let first = first.record_id().namespace();
+    let span = tracing::Span::current();
+    if rest
+        .iter()
+        .all(|item| item.record_id().namespace() == first)
+    {
+        span.record("namespace", first);
+        return;
+    }
+    let mut namespaces: Vec<&str> = Vec::new();
+    for item in items {
+        let namespace = item.record_id().namespace();
+        if !namespaces.contains(&namespace) {
+            namespaces.push(namespace);
+        }
+    }
+    span.record("namespace", namespaces.join(","));
 }
 
 /// An Acquire's reply, counted under its outcome.

@@ -236,3 +236,123 @@ async fn the_grpc_layer_passes_the_calls_traceparent_on_to_the_server() {
     assert_eq!(acquired["span"]["namespace"], "shop", "{acquired}");
     call_line(&mut server, "Complete", "beef0000000000000000000000000bee").await;
 }
+
+/// A batch call's span names its items' namespace once, or each of them,
+/// comma-separated, when they differ; its items leave the span's outcome
+/// to their own answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_calls_span_names_its_namespaces_once() {
+    let db = TestDb::new().await;
+    let mut server = server(&db).await;
+    let mut raw = raw_client(&server).await;
+    let item = |namespace: &str| pb::AcquireRequest {
+        id: Some(pb::RecordId {
+            namespace: namespace.into(),
+            ..record_id(&unique_key("batch-span"))
+        }),
+        fingerprint: b"f".to_vec(),
+        ..Default::default()
+    };
+    let batches = [
+        (
+            "00-1af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            vec![item("alpha"), item("alpha"), item("alpha")],
+            "alpha",
+        ),
+        (
+            "00-2af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            vec![item("beta"), item("alpha"), item("beta"), item("gamma")],
+            "beta,alpha,gamma",
+        ),
+    ];
+    for (traceparent, requests, namespaces) in batches {
+        let items = requests.len();
+        let answer = raw
+            .batch_acquire(with_traceparent(
+                pb::BatchAcquireRequest { requests },
+                traceparent,
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(answer.results.len(), items);
+        let trace_id = &traceparent[3..35];
+        let line = call_line(&mut server, "BatchAcquire", trace_id).await;
+        assert_eq!(line["span"]["namespace"], namespaces, "{line}");
+        assert!(line["span"].get("outcome").is_none(), "{line}");
+        let raw_line = server
+            .raw_lines()
+            .into_iter()
+            .find(|raw| raw.contains(trace_id) && raw.contains("BatchAcquire"))
+            .unwrap();
+        // As written, before any parser could fold a repeated field.
+        let span_fields = raw_line
+            .split_once("\"span\":{")
+            .and_then(|(_, rest)| rest.split_once('}'))
+            .expect("the line's span fields")
+            .0;
+        assert_eq!(
+            span_fields.matches("\"namespace\"").count(),
+            1,
+            "{raw_line}"
+        );
+    }
+}
+
+/// In text logs too (`--log-format text`, where a field recorded again is
+/// written again): a batch call's line names its namespace once, however
+/// many items it carries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_calls_text_line_names_its_namespace_once() {
+    use std::io::{BufRead, BufReader};
+    let db = TestDb::new().await;
+    let mut child = std::process::Command::new(idempotency_tests::process::idempotencyd())
+        .args(["serve", "--grpc-addr", "127.0.0.1:0"])
+        .args(["--metrics-addr", "127.0.0.1:0", "--reaper-enabled", "false"])
+        .args(["--log-format", "text", "--log-calls"])
+        .env_clear()
+        .env("DATABASE_URL", db.url().as_str())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting idempotencyd");
+    let (lines, mut received) = tokio::sync::mpsc::unbounded_channel();
+    let stdout = child.stdout.take().expect("piped stdout");
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = lines.send(line);
+        }
+    });
+    let mut next_line = async |matches: &dyn Fn(&str) -> bool| loop {
+        let line = tokio::time::timeout(Duration::from_secs(30), received.recv())
+            .await
+            .expect("a line within 30 s")
+            .expect("the server logs on");
+        if matches(&line) {
+            return line;
+        }
+    };
+    let announced = next_line(&|line| line.contains("serving gRPC")).await;
+    let addr = announced
+        .split("addr=")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .expect("the announcement names the address");
+    let mut raw = IdempotencyServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let requests = (0..5)
+        .map(|_| pb::AcquireRequest {
+            id: Some(record_id(&unique_key("text-batch"))),
+            fingerprint: b"f".to_vec(),
+            ..Default::default()
+        })
+        .collect();
+    raw.batch_acquire(pb::BatchAcquireRequest { requests })
+        .await
+        .unwrap();
+    let line = next_line(&|line| line.contains("BatchAcquire") && line.contains("grpc_code")).await;
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(line.matches("namespace=").count(), 1, "{line}");
+    assert!(line.contains("namespace=\"payments\""), "{line}");
+}
