@@ -9,10 +9,15 @@
 use std::{fmt as stdfmt, io::IsTerminal, sync::OnceLock};
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use tracing::{Event, Subscriber};
+use tracing::{Event, Subscriber, field::Visit, span};
 use tracing_subscriber::{
-    EnvFilter, fmt,
-    fmt::{FmtContext, FormatEvent, FormatFields, FormattedFields, MakeWriter, format::Writer},
+    EnvFilter,
+    field::RecordFields,
+    fmt,
+    fmt::{
+        FmtContext, FormatEvent, FormatFields, FormattedFields, MakeWriter,
+        format::{JsonFields, Writer},
+    },
     registry::LookupSpan,
     util::SubscriberInitExt,
 };
@@ -115,6 +120,7 @@ where
             builder
                 .json()
                 .flatten_event(true)
+                .fmt_fields(AppendedJsonFields)
                 .map_event_format(TraceIdFirst)
                 .finish(),
             otlp_endpoint,
@@ -184,6 +190,79 @@ where
         };
         let trace_id = std::str::from_utf8(&trace_id).map_err(|_| stdfmt::Error)?;
         write!(writer, "{{\"trace_id\":\"{trace_id}\",{rest}")
+    }
+}
+
+/// A span's fields as JSON (`{"rpc":"Acquire","trace_id":"4bf9…"}`), as
+/// tracing-subscriber's [`JsonFields`] writes them, but a field recorded
+/// later is appended to the object. `JsonFields` parses the object and
+/// writes it all again on every `record`, and each call's span records
+/// three or four fields after it starts (the trace id, the namespace, the
+/// outcome), whether or not a line is ever logged in it. A field recorded
+/// a second time still goes the parsing way, which replaces its value.
+struct AppendedJsonFields;
+
+impl<'w> FormatFields<'w> for AppendedJsonFields {
+    fn format_fields<R: RecordFields>(&self, writer: Writer<'w>, fields: R) -> stdfmt::Result {
+        JsonFields::new().format_fields(writer, fields)
+    }
+
+    fn add_fields(
+        &self,
+        current: &'w mut FormattedFields<Self>,
+        fields: &span::Record<'_>,
+    ) -> stdfmt::Result {
+        let mut again = FieldsIn {
+            object: &current.fields,
+            found: false,
+        };
+        fields.record(&mut again);
+        if current.fields.is_empty() || again.found {
+            let mut parsed =
+                FormattedFields::<JsonFields>::new(std::mem::take(&mut current.fields));
+            let added = JsonFields::new().add_fields(&mut parsed, fields);
+            current.fields = parsed.fields;
+            return added;
+        }
+        let mut added = String::new();
+        JsonFields::new().format_fields(Writer::new(&mut added), fields)?;
+        // Both are objects: `{…}` and `{…}`, or `{}` when every field
+        // recorded is empty.
+        let (Some(new), true) = (
+            added
+                .strip_prefix('{')
+                .and_then(|rest| rest.strip_suffix('}')),
+            current.fields.ends_with('}'),
+        ) else {
+            return Err(stdfmt::Error);
+        };
+        if new.is_empty() {
+            return Ok(());
+        }
+        current.fields.pop();
+        if !current.fields.ends_with('{') {
+            current.fields.push(',');
+        }
+        current.fields.push_str(new);
+        current.fields.push('}');
+        Ok(())
+    }
+}
+
+/// Whether a record names a field the JSON `object` may hold already: its
+/// key, `"name":`, appears in it (perhaps only inside a value, which errs
+/// on the parsing side).
+struct FieldsIn<'a> {
+    object: &'a str,
+    found: bool,
+}
+
+impl Visit for FieldsIn<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, _: &dyn stdfmt::Debug) {
+        let name = field.name();
+        self.found |= self.object.match_indices(name).any(|(at, _)| {
+            self.object[..at].ends_with('"') && self.object[at + name.len()..].starts_with("\":")
+        });
     }
 }
 
@@ -295,12 +374,7 @@ mod tests {
     fn json_lines_within_a_call_start_with_its_trace_id() {
         let lines = Lines::default();
         let writer = lines.clone();
-        let subscriber = fmt()
-            .with_writer(move || writer.clone())
-            .json()
-            .flatten_event(true)
-            .map_event_format(TraceIdFirst)
-            .finish();
+        let subscriber = json_subscriber(move || writer.clone());
         let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
         tracing::subscriber::with_default(subscriber, || {
             tracing::info!("outside");
@@ -325,6 +399,67 @@ mod tests {
         let inner: serde_json::Value = serde_json::from_str(lines[1]).unwrap();
         assert_eq!(inner["key"], "k");
         assert_eq!(inner["span"]["rpc"], "Acquire");
+    }
+
+    /// The server's JSON subscriber, writing to `writer`.
+    fn json_subscriber<W>(writer: W) -> impl Subscriber + Send + Sync
+    where
+        W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
+    {
+        fmt()
+            .with_writer(writer)
+            .json()
+            .flatten_event(true)
+            .fmt_fields(AppendedJsonFields)
+            .map_event_format(TraceIdFirst)
+            .finish()
+    }
+
+    /// Fields recorded after the span started are in its object once each,
+    /// with their last value, whether appended or parsed and written again:
+    /// a trace id recorded again is the one the line starts with.
+    #[test]
+    fn span_fields_recorded_later_are_in_the_json_once_with_their_last_value() {
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = json_subscriber(move || writer.clone());
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::error_span!(
+                "rpc",
+                rpc = "Acquire",
+                trace_id = tracing::field::Empty,
+                namespace = tracing::field::Empty,
+                outcome = tracing::field::Empty,
+                note = tracing::field::Empty,
+            );
+            span.record("trace_id", "00000000000000000000000000000001");
+            span.record("namespace", "payments");
+            span.record("trace_id", "4bf92f3577b34da6a3ce929d0e0e4736");
+            span.record("outcome", "first");
+            span.record("outcome", "acquired");
+            // A value that looks like a key elsewhere in the object.
+            span.record("note", "\"namespace\": not a key, \"quoted\"");
+            span.in_scope(|| tracing::warn!("inside"));
+        });
+        let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        let line = text.lines().next().expect("a line");
+        let parsed: serde_json::Value = serde_json::from_str(line).unwrap();
+        let span = &parsed["span"];
+        assert_eq!(span["rpc"], "Acquire", "{line}");
+        assert_eq!(span["namespace"], "payments", "{line}");
+        assert_eq!(span["outcome"], "acquired", "{line}");
+        assert_eq!(
+            span["note"], "\"namespace\": not a key, \"quoted\"",
+            "{line}"
+        );
+        assert!(
+            line.starts_with(r#"{"trace_id":"4bf92f3577b34da6a3ce929d0e0e4736","#),
+            "{line}"
+        );
+        assert_eq!(
+            span["trace_id"], "4bf92f3577b34da6a3ce929d0e0e4736",
+            "{line}"
+        );
     }
 
     #[test]
