@@ -317,26 +317,8 @@ pub(super) async fn finish(
     // (Locking the rows first with SKIP LOCKED instead isolated a held row
     // without the wait, but cost every batch a lock record per row and
     // three lookups of each: 12-15 % of new-key pairs/s at 16 and 64 callers.)
-    const SQL: &str = "
-        WITH v AS (
-            SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[],
-                                 $6::text[], $7::int4[], $8::bytea[], $9::jsonb[])
-                WITH ORDINALITY
-                AS v(namespace, operation, subject, key, token, state, status, body, headers, ord)
-            WHERE set_config('lock_timeout', coalesce($10, current_setting('lock_timeout')), true)
-                  IS NOT NULL
-        )
-        UPDATE idempotency_records AS r
-        SET state = v.state, lease_expires_at = NULL, completed_at = now(),
-            response_status = v.status, response_body = v.body, response_headers = v.headers
-        FROM v
-        WHERE r.namespace = v.namespace AND r.operation = v.operation
-          AND r.subject = v.subject AND r.key = v.key
-          AND r.fencing_token = v.token AND r.state = 'in_progress'
-          AND (r.expires_at > now()) IS TRUE
-        RETURNING v.ord, r.completed_at";
     let order = KeyOrder::of(inputs.iter().map(|input| &input.id));
-    let query = sqlx::query_as::<_, (i64, Option<Timestamp>)>(SQL)
+    let query = sqlx::query_as::<_, (i64, Option<Timestamp>)>(FINISH)
         .bind(order.column(inputs, |input| input.id.namespace()))
         .bind(order.column(inputs, |input| input.id.operation()))
         .bind(order.column(inputs, |input| input.id.subject()))
@@ -358,6 +340,27 @@ pub(super) async fn finish(
     }
     Ok(finished)
 }
+
+/// `finish`'s statement (its reasons are there). A copy of it runs in
+/// pgbench beside the durable ceiling (`bench/pgbench/service_batch_pair.sql`).
+const FINISH: &str = "
+    WITH v AS (
+        SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[],
+                             $6::text[], $7::int4[], $8::bytea[], $9::jsonb[])
+            WITH ORDINALITY
+            AS v(namespace, operation, subject, key, token, state, status, body, headers, ord)
+        WHERE set_config('lock_timeout', coalesce($10, current_setting('lock_timeout')), true)
+              IS NOT NULL
+    )
+    UPDATE idempotency_records AS r
+    SET state = v.state, lease_expires_at = NULL, completed_at = now(),
+        response_status = v.status, response_body = v.body, response_headers = v.headers
+    FROM v
+    WHERE r.namespace = v.namespace AND r.operation = v.operation
+      AND r.subject = v.subject AND r.key = v.key
+      AND r.fencing_token = v.token AND r.state = 'in_progress'
+      AND (r.expires_at > now()) IS TRUE
+    RETURNING v.ord, r.completed_at";
 
 /// [`finish`] for one call, without the arrays (see
 /// [`insert_or_read_one`]): the same conditions, on scalars.
@@ -502,6 +505,35 @@ mod tests {
         }
         let copy = include_str!("../../../bench/pgbench/acquire_replay.sql");
         assert_eq!(after_input(copy), after_input(INSERT_OR_READ));
+    }
+
+    /// `bench/pgbench/service_batch_pair.sql` runs both batch statements by
+    /// hand beside the durable ceiling; only their inputs differ (pgbench
+    /// builds the arrays), and the Complete's token condition (pgbench
+    /// cannot carry the tokens: `<>` a token 0, on the same row).
+    #[test]
+    fn the_pgbench_copy_of_the_batch_statements_matches_them_after_their_inputs() {
+        fn words(sql: &str) -> String {
+            let words: Vec<&str> = sql.split_whitespace().collect();
+            words.join(" ").trim_end_matches(';').to_owned()
+        }
+        fn after(sql: &str, marker: &str) -> String {
+            let start = sql.find(marker).expect("the statement's input ends");
+            words(&sql[start..])
+        }
+        let copy = include_str!("../../../bench/pgbench/service_batch_pair.sql");
+        let (acquire, complete) = copy
+            .split_once("= (i.namespace, i.operation, i.subject, i.key));")
+            .expect("the Acquire statement, then the Complete");
+        let acquire = format!("{acquire}= (i.namespace, i.operation, i.subject, i.key))");
+        let marker = "), inserted AS (";
+        assert_eq!(after(&acquire, marker), after(INSERT_OR_READ, marker));
+        let marker = "UPDATE idempotency_records AS r";
+        assert_eq!(
+            after(complete, marker)
+                .replace("r.fencing_token <> v.token", "r.fencing_token = v.token"),
+            after(FINISH, marker)
+        );
     }
 
     #[test]
