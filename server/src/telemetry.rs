@@ -16,7 +16,7 @@ use tracing_subscriber::{
     fmt,
     fmt::{
         FmtContext, FormatEvent, FormatFields, FormattedFields, MakeWriter,
-        format::{JsonFields, Writer},
+        format::{Json, JsonFields, Writer},
     },
     registry::LookupSpan,
     util::SubscriberInitExt,
@@ -116,16 +116,24 @@ where
         .with_writer(output.writer);
     match args.log_format {
         LogFormat::Text => install(builder.finish(), otlp_endpoint),
-        LogFormat::Json => install(
-            builder
-                .json()
-                .flatten_event(true)
-                .fmt_fields(AppendedJsonFields)
-                .map_event_format(TraceIdFirst)
-                .finish(),
-            otlp_endpoint,
-        ),
+        LogFormat::Json => install(json(builder).finish(), otlp_endpoint),
     }
+}
+
+/// `builder` writing JSON lines: the event's fields at the top level, the
+/// call's trace id first (`TraceIdFirst`), span fields appended as recorded
+/// (`AppendedJsonFields`).
+fn json<F, W>(
+    builder: fmt::SubscriberBuilder<fmt::format::DefaultFields, fmt::format::Format, F, W>,
+) -> fmt::SubscriberBuilder<AppendedJsonFields, TraceIdFirst<fmt::format::Format<Json>>, F, W>
+where
+    W: for<'w> MakeWriter<'w> + 'static,
+{
+    builder
+        .json()
+        .flatten_event(true)
+        .fmt_fields(AppendedJsonFields)
+        .map_event_format(TraceIdFirst)
 }
 
 /// Installs `subscriber` as the global one, with the OpenTelemetry layer
@@ -228,14 +236,13 @@ impl<'w> FormatFields<'w> for AppendedJsonFields {
         JsonFields::new().format_fields(Writer::new(&mut added), fields)?;
         // Both are objects: `{…}` and `{…}`, or `{}` when every field
         // recorded is empty.
-        let (Some(new), true) = (
-            added
-                .strip_prefix('{')
-                .and_then(|rest| rest.strip_suffix('}')),
-            current.fields.ends_with('}'),
-        ) else {
+        let new = added
+            .strip_prefix('{')
+            .and_then(|rest| rest.strip_suffix('}'))
+            .ok_or(stdfmt::Error)?;
+        if !current.fields.ends_with('}') {
             return Err(stdfmt::Error);
-        };
+        }
         if new.is_empty() {
             return Ok(());
         }
@@ -406,13 +413,7 @@ mod tests {
     where
         W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
     {
-        fmt()
-            .with_writer(writer)
-            .json()
-            .flatten_event(true)
-            .fmt_fields(AppendedJsonFields)
-            .map_event_format(TraceIdFirst)
-            .finish()
+        json(fmt().with_writer(writer)).finish()
     }
 
     /// Fields recorded after the span started are in its object once each,
