@@ -205,9 +205,11 @@ where
 /// tracing-subscriber's [`JsonFields`] writes them, but a field recorded
 /// later is appended to the object. `JsonFields` parses the object and
 /// writes it all again on every `record`, and each call's span records
-/// three or four fields after it starts (the trace id, the namespace, the
-/// outcome), whether or not a line is ever logged in it. A field recorded
-/// a second time still goes the parsing way, which replaces its value.
+/// three or four fields after it starts (the trace id, the caller's span
+/// id, the namespace, the outcome), whether or not a line is ever logged
+/// in it. A field recorded a second time still goes the parsing way, which
+/// replaces its value: the object never holds a key twice (`TraceIdFirst`
+/// reads the first `trace_id` in it).
 struct AppendedJsonFields;
 
 impl<'w> FormatFields<'w> for AppendedJsonFields {
@@ -220,12 +222,13 @@ impl<'w> FormatFields<'w> for AppendedJsonFields {
         current: &'w mut FormattedFields<Self>,
         fields: &span::Record<'_>,
     ) -> stdfmt::Result {
-        let mut again = FieldsIn {
+        let mut present = KeyPresent {
             object: &current.fields,
             found: false,
         };
-        fields.record(&mut again);
-        if current.fields.is_empty() || again.found {
+        fields.record(&mut present);
+        // (A new span's fields are at least `{}`: empty only defensively.)
+        if current.fields.is_empty() || present.found {
             let mut parsed =
                 FormattedFields::<JsonFields>::new(std::mem::take(&mut current.fields));
             let added = JsonFields::new().add_fields(&mut parsed, fields);
@@ -257,18 +260,22 @@ impl<'w> FormatFields<'w> for AppendedJsonFields {
 }
 
 /// Whether a record names a field the JSON `object` may hold already: its
-/// key, `"name":`, appears in it (perhaps only inside a value, which errs
-/// on the parsing side).
-struct FieldsIn<'a> {
+/// key, `"name":`, appears in it. (It errs on the parsing side: a key of a
+/// nested object, or one holding an escaped quote, can match too.) A raw
+/// identifier's key is written without its `r#`.
+struct KeyPresent<'a> {
     object: &'a str,
     found: bool,
 }
 
-impl Visit for FieldsIn<'_> {
+impl Visit for KeyPresent<'_> {
     fn record_debug(&mut self, field: &tracing::field::Field, _: &dyn stdfmt::Debug) {
         let name = field.name();
-        self.found |= self.object.match_indices(name).any(|(at, _)| {
-            self.object[..at].ends_with('"') && self.object[at + name.len()..].starts_with("\":")
+        let written = name.strip_prefix("r#").unwrap_or(name);
+        self.found |= [name, written].iter().any(|key| {
+            self.object.match_indices(key).any(|(at, _)| {
+                self.object[..at].ends_with('"') && self.object[at + key.len()..].starts_with("\":")
+            })
         });
     }
 }
@@ -416,21 +423,52 @@ mod tests {
         json(fmt().with_writer(writer)).finish()
     }
 
-    /// Fields recorded after the span started are in its object once each,
-    /// with their last value, whether appended or parsed and written again:
-    /// a trace id recorded again is the one the line starts with.
+    /// The span fields `AppendedJsonFields` stored for `span`, as written
+    /// (before any line's parser could fold a repeated key).
+    fn stored_fields(span: &tracing::Span) -> String {
+        use tracing_subscriber::registry::Registry;
+        let id = span.id().expect("an enabled span");
+        tracing::dispatcher::get_default(|dispatch| {
+            let registry = dispatch.downcast_ref::<Registry>().expect("the registry");
+            let span = registry.span(&id).expect("the span");
+            let extensions = span.extensions();
+            let fields = extensions
+                .get::<FormattedFields<AppendedJsonFields>>()
+                .expect("formatted fields");
+            fields.fields.clone()
+        })
+    }
+
+    /// Each key in a JSON object as written, in order.
+    fn keys(object: &str) -> Vec<String> {
+        let parsed: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(object).unwrap_or_else(|_| panic!("a JSON object: {object}"));
+        let mut keys: Vec<String> = parsed.keys().cloned().collect();
+        keys.sort();
+        let written = keys
+            .iter()
+            .map(|key| object.matches(&format!("\"{key}\":")).count())
+            .sum::<usize>();
+        assert_eq!(written, keys.len(), "a key written twice: {object}");
+        keys
+    }
+
+    /// Fields recorded after the span started are stored once each, with
+    /// their last value, whether appended or parsed and written again; a
+    /// trace id recorded again is the one the line starts with.
     #[test]
-    fn span_fields_recorded_later_are_in_the_json_once_with_their_last_value() {
+    fn span_fields_recorded_later_are_stored_once_with_their_last_value() {
         let lines = Lines::default();
         let writer = lines.clone();
         let subscriber = json_subscriber(move || writer.clone());
-        tracing::subscriber::with_default(subscriber, || {
+        let stored = tracing::subscriber::with_default(subscriber, || {
             let span = tracing::error_span!(
                 "rpc",
                 rpc = "Acquire",
                 trace_id = tracing::field::Empty,
                 namespace = tracing::field::Empty,
                 outcome = tracing::field::Empty,
+                r#type = tracing::field::Empty,
                 note = tracing::field::Empty,
             );
             span.record("trace_id", "00000000000000000000000000000001");
@@ -438,10 +476,17 @@ mod tests {
             span.record("trace_id", "4bf92f3577b34da6a3ce929d0e0e4736");
             span.record("outcome", "first");
             span.record("outcome", "acquired");
-            // A value that looks like a key elsewhere in the object.
-            span.record("note", "\"namespace\": not a key, \"quoted\"");
+            span.record("type", tracing::field::display("a"));
+            span.record("type", tracing::field::display("b"));
+            // Escaped on the appended path.
+            span.record("note", "\"namespace\": a value, \\ \u{1}");
             span.in_scope(|| tracing::warn!("inside"));
+            stored_fields(&span)
         });
+        assert_eq!(
+            keys(&stored),
+            ["namespace", "note", "outcome", "rpc", "trace_id", "type"]
+        );
         let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
         let line = text.lines().next().expect("a line");
         let parsed: serde_json::Value = serde_json::from_str(line).unwrap();
@@ -449,18 +494,33 @@ mod tests {
         assert_eq!(span["rpc"], "Acquire", "{line}");
         assert_eq!(span["namespace"], "payments", "{line}");
         assert_eq!(span["outcome"], "acquired", "{line}");
-        assert_eq!(
-            span["note"], "\"namespace\": not a key, \"quoted\"",
-            "{line}"
-        );
+        assert_eq!(span["type"], "b", "{line}");
+        assert_eq!(span["note"], "\"namespace\": a value, \\ \u{1}", "{line}");
         assert!(
             line.starts_with(r#"{"trace_id":"4bf92f3577b34da6a3ce929d0e0e4736","#),
             "{line}"
         );
-        assert_eq!(
-            span["trace_id"], "4bf92f3577b34da6a3ce929d0e0e4736",
-            "{line}"
-        );
+    }
+
+    /// A span that starts with no fields (`{}`) takes its first by
+    /// appending, without a comma; a record of empty fields adds nothing.
+    #[test]
+    fn a_span_without_fields_takes_its_first_and_ignores_empty_ones() {
+        let subscriber = json_subscriber(std::io::sink);
+        let stored = tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::error_span!(
+                "bare",
+                first = tracing::field::Empty,
+                second = tracing::field::Empty
+            );
+            let before = stored_fields(&span);
+            span.record("first", tracing::field::Empty);
+            span.record("first", 1);
+            span.record("second", "two");
+            (before, stored_fields(&span))
+        });
+        assert_eq!(stored.0, "{}");
+        assert_eq!(stored.1, r#"{"first":1,"second":"two"}"#);
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! Trace context end to end: the real `idempotencyd` binary with JSON logs
-//! and `--log-calls`; the trace id a caller sends (`traceparent`) is found
+//! (and once text logs) and `--log-calls`; the trace id a caller sends (`traceparent`) is found
 //! in the server's line for that call, through the Rust client
 //! (`trace::scope`), raw gRPC metadata, the HTTP layer and the gRPC layer;
 //! a call without
@@ -237,9 +237,11 @@ async fn the_grpc_layer_passes_the_calls_traceparent_on_to_the_server() {
     call_line(&mut server, "Complete", "beef0000000000000000000000000bee").await;
 }
 
-/// A batch call's span names its items' namespace once, or each of them,
+/// A batch call's span names its items' namespace, or each of them,
 /// comma-separated, when they differ; its items leave the span's outcome
-/// to their own answers.
+/// to their own answers. (A JSON line cannot show a field recorded twice:
+/// its span object is parsed before it is written. The text test below
+/// can.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_calls_span_names_its_namespaces_once() {
     let db = TestDb::new().await;
@@ -280,22 +282,6 @@ async fn a_batch_calls_span_names_its_namespaces_once() {
         let line = call_line(&mut server, "BatchAcquire", trace_id).await;
         assert_eq!(line["span"]["namespace"], namespaces, "{line}");
         assert!(line["span"].get("outcome").is_none(), "{line}");
-        let raw_line = server
-            .raw_lines()
-            .into_iter()
-            .find(|raw| raw.contains(trace_id) && raw.contains("BatchAcquire"))
-            .unwrap();
-        // As written, before any parser could fold a repeated field.
-        let span_fields = raw_line
-            .split_once("\"span\":{")
-            .and_then(|(_, rest)| rest.split_once('}'))
-            .expect("the line's span fields")
-            .0;
-        assert_eq!(
-            span_fields.matches("\"namespace\"").count(),
-            1,
-            "{raw_line}"
-        );
     }
 }
 
@@ -306,6 +292,14 @@ async fn a_batch_calls_span_names_its_namespaces_once() {
 async fn a_batch_calls_text_line_names_its_namespace_once() {
     use std::io::{BufRead, BufReader};
     let db = TestDb::new().await;
+    /// Kills the server however the test ends.
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
     let mut child = std::process::Command::new(idempotency_tests::process::idempotencyd())
         .args(["serve", "--grpc-addr", "127.0.0.1:0"])
         .args(["--metrics-addr", "127.0.0.1:0", "--reaper-enabled", "false"])
@@ -314,9 +308,10 @@ async fn a_batch_calls_text_line_names_its_namespace_once() {
         .env("DATABASE_URL", db.url().as_str())
         .stdout(std::process::Stdio::piped())
         .spawn()
+        .map(Killed)
         .expect("starting idempotencyd");
     let (lines, mut received) = tokio::sync::mpsc::unbounded_channel();
-    let stdout = child.stdout.take().expect("piped stdout");
+    let stdout = child.0.stdout.take().expect("piped stdout");
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
             let _ = lines.send(line);
@@ -351,8 +346,7 @@ async fn a_batch_calls_text_line_names_its_namespace_once() {
         .await
         .unwrap();
     let line = next_line(&|line| line.contains("BatchAcquire") && line.contains("grpc_code")).await;
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(child);
     assert_eq!(line.matches("namespace=").count(), 1, "{line}");
     assert!(line.contains("namespace=\"payments\""), "{line}");
 }
