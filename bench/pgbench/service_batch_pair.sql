@@ -10,7 +10,7 @@
 -- One difference: pgbench cannot carry the tokens the Acquire returned to
 -- the Complete, so the Complete's arrays hold token 0 and its condition
 -- reads `r.fencing_token <> v.token` where the server's reads `=` (the
--- same comparison, on the same row). Kept in step with the server's
+-- same cost, on the same row). Kept in step with the server's
 -- statements by a test in statements.rs.
 --
 -- Run with: PGOPTIONS="-c enable_seqscan=off -c enable_bitmapscan=off -c jit=off"
