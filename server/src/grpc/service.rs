@@ -191,18 +191,6 @@ impl OfRecord for CompleteRequest {
 /// comma-separated (a namespace holds no comma). Recording it per item
 /// would repeat the field in every text log line of the call.
 fn record_namespaces(items: &[impl OfRecord]) {
-    let Some((first, rest)) = items.split_first() else {
-        return;
-    };
-    let first = first.record_id().namespace();
-    let span = tracing::Span::current();
-    if rest
-        .iter()
-        .all(|item| item.record_id().namespace() == first)
-    {
-        span.record("namespace", first);
-        return;
-    }
     let mut namespaces: Vec<&str> = Vec::new();
     for item in items {
         let namespace = item.record_id().namespace();
@@ -210,7 +198,9 @@ fn record_namespaces(items: &[impl OfRecord]) {
             namespaces.push(namespace);
         }
     }
-    span.record("namespace", namespaces.join(","));
+    if !namespaces.is_empty() {
+        tracing::Span::current().record("namespace", namespaces.join(","));
+    }
 }
 
 /// An Acquire's reply, counted under its outcome.
