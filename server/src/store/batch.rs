@@ -20,10 +20,15 @@
 //! distinct records and fit: they share a statement by construction, not
 //! because their futures happened to be polled together.
 //!
-//! A worker keeps what its statements need between them (for the store, a
-//! connection) while calls keep coming, and gives it back once its last
-//! statement ended [`KEEP_IDLE`] ago, or it kept it [`KEEP_AT_MOST`]: both
-//! are checked whenever the worker looks for calls, and while it waits.
+//! What statements need between them (for the store, a connection) is kept
+//! while calls keep coming, in [`Kept`]: idle sessions on a stack that
+//! batchers may share (the store's Acquire and Complete batchers share one).
+//! A statement takes the session used last, and puts it back when it ends:
+//! at low load one session (one Postgres backend) serves every statement of
+//! every kind, as a hand-written service's one connection would. A session is
+//! given back once its last statement ended [`KEEP_IDLE`] ago, or it was
+//! kept [`KEEP_AT_MOST`]: both are checked whenever a worker looks for
+//! calls, and while it waits.
 //!
 //! A row that another session holds stalls a statement only briefly: the
 //! store's statements wait for it at most `BATCH_ROW_WAIT` (100 ms), then
@@ -70,13 +75,12 @@ pub trait Batchable: Send + Sync + 'static {
 pub trait Statement: Send + Sync + 'static {
     type Input: Batchable;
     type Output: Send + 'static;
-    /// What a worker keeps between its statements (for the store, a
-    /// connection).
+    /// What is kept between statements (for the store, a connection).
     type Session: Send + 'static;
 
     /// Runs one statement for `inputs`, which are for distinct records, and
-    /// answers in the same order. It runs on `session`, the worker's kept
-    /// one, or when there is none opens one and leaves it there to be kept.
+    /// answers in the same order. It runs on `session`, a kept one, or when
+    /// there is none opens one and leaves it there to be kept.
     /// A row another session holds it waits for only briefly (the store's:
     /// `BATCH_ROW_WAIT`), then fails for its rows' sake
     /// ([`StoreError::concerns_rows`]), and each of its calls runs alone.
@@ -160,9 +164,20 @@ pub struct Batcher<S: Statement> {
 }
 
 impl<S: Statement> Batcher<S> {
-    /// Starts `settings.workers` workers running `statement`. `name` labels
-    /// the metrics.
+    /// Starts `settings.workers` workers running `statement`, keeping their
+    /// sessions to themselves. `name` labels the metrics.
     pub fn spawn(name: &'static str, settings: BatchSettings, statement: S) -> Self {
+        Self::spawn_sharing(name, settings, statement, Arc::default())
+    }
+
+    /// [`Batcher::spawn`], with the sessions kept in `kept`, which other
+    /// batchers may share.
+    pub fn spawn_sharing(
+        name: &'static str,
+        settings: BatchSettings,
+        statement: S,
+        kept: Arc<Kept<S::Session>>,
+    ) -> Self {
         let queue = Arc::new(Queue::default());
         let statement = Arc::new(statement);
         let running = Arc::new(Running::default());
@@ -176,7 +191,7 @@ impl<S: Statement> Batcher<S> {
                 queue: queue.clone(),
                 running: running.clone(),
                 statement: statement.clone(),
-                kept: Kept::default(),
+                kept: kept.clone(),
             };
             tokio::spawn(worker.work());
         }
@@ -478,60 +493,73 @@ impl Drop for Turn {
     }
 }
 
-/// The session a worker keeps between statements, since when, and when its
-/// last statement ended.
-struct Kept<S> {
-    session: Option<S>,
+/// Sessions kept between statements: the idle ones, the one used last on
+/// top. A worker takes one for a statement and puts it back when the
+/// statement succeeded, so at most one per worker exists. Sessions that are
+/// due (see [`Kept::expire`]) are given back: dropped, outside the lock.
+pub struct Kept<S> {
+    idle: Mutex<Vec<KeptSession<S>>>,
+}
+
+/// An idle session, since when it was opened, and when its last statement
+/// ended.
+struct KeptSession<S> {
+    session: S,
     opened: Instant,
     used: Instant,
+}
+
+impl<S> KeptSession<S> {
+    /// When it is to be given back: [`KEEP_IDLE`] after its last statement
+    /// ended, or [`KEEP_AT_MOST`] after it was opened, whichever comes first.
+    fn due(&self) -> Instant {
+        (self.used + KEEP_IDLE).min(self.opened + KEEP_AT_MOST)
+    }
 }
 
 impl<S> Default for Kept<S> {
     fn default() -> Self {
         Self {
-            session: None,
-            opened: Instant::now(),
-            used: Instant::now(),
+            idle: Mutex::new(Vec::new()),
         }
     }
 }
 
 impl<S> Kept<S> {
-    /// When the kept session is to be given back: [`KEEP_IDLE`] after its
-    /// last statement ended, or [`KEEP_AT_MOST`] after it was opened,
-    /// whichever comes first. `None`: none is kept.
-    fn due(&self) -> Option<Instant> {
-        let due = (self.used + KEEP_IDLE).min(self.opened + KEEP_AT_MOST);
-        self.session.as_ref().map(|_| due)
-    }
-
-    /// Gives the session back if it is due.
-    fn expire(&mut self) {
-        if self.due().is_some_and(|due| due <= Instant::now()) {
-            self.session = None;
+    /// The idle session used last and when it was opened, unless it is due;
+    /// `None`: the statement opens one (from now).
+    fn take(&self) -> Option<(S, Instant)> {
+        let now = Instant::now();
+        let taken = lock(&self.idle).pop();
+        match taken {
+            Some(kept) if kept.due() > now => Some((kept.session, kept.opened)),
+            // Due: given back here (dropped), and the statement opens one.
+            _ => None,
         }
     }
 
-    /// The session for the next statement: the kept one unless it is
-    /// [`KEEP_AT_MOST`] old, else none, and the one the statement opens is
-    /// kept from now.
-    fn for_statement(&mut self) -> &mut Option<S> {
-        if self.opened.elapsed() >= KEEP_AT_MOST {
-            self.session = None;
-        }
-        if self.session.is_none() {
-            self.opened = Instant::now();
-        }
-        &mut self.session
+    /// `session`, opened at `opened`, after a statement that just ended.
+    fn put(&self, session: S, opened: Instant) {
+        lock(&self.idle).push(KeptSession {
+            session,
+            opened,
+            used: Instant::now(),
+        });
     }
 
-    /// A statement on it just ended.
-    fn used(&mut self) {
-        self.used = Instant::now();
-    }
-
-    fn give_back(&mut self) {
-        self.session = None;
+    /// Gives back the idle sessions that are due, and tells when the next
+    /// one will be (`None`: none is idle).
+    fn expire(&self) -> Option<Instant> {
+        let now = Instant::now();
+        let mut idle = lock(&self.idle);
+        let (due, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut *idle)
+            .into_iter()
+            .partition(|kept| kept.due() <= now);
+        *idle = kept;
+        let next = idle.iter().map(KeptSession::due).min();
+        drop(idle);
+        drop(due); // Outside the lock: a connection goes back to its pool.
+        next
     }
 }
 
@@ -609,7 +637,7 @@ struct Worker<S: Statement> {
     queue: Arc<QueueOf<S>>,
     running: Arc<Running>,
     statement: Arc<S>,
-    kept: Kept<S::Session>,
+    kept: Arc<Kept<S::Session>>,
 }
 
 impl<S: Statement> Worker<S> {
@@ -628,13 +656,13 @@ impl<S: Statement> Worker<S> {
         // The batcher was dropped: the kept session goes with the worker.
     }
 
-    /// Waits for calls it can take. A session kept too long, or idle since
-    /// its last statement, is given back first, and while it waits. `false`:
-    /// the batcher was dropped.
+    /// Waits for calls it can take. Sessions kept too long, or idle since
+    /// their last statement, are given back first, and while it waits (a
+    /// worker that put one back always comes here next). `false`: the
+    /// batcher was dropped.
     async fn wait_for_calls(&mut self) -> bool {
         loop {
-            self.kept.expire();
-            let Some(due) = self.kept.due() else {
+            let Some(due) = self.kept.expire() else {
                 return self.queue.ready().await;
             };
             if let Ok(open) = tokio::time::timeout_at(due, self.queue.ready()).await {
@@ -700,14 +728,20 @@ impl<S: Statement> Worker<S> {
         }
     }
 
-    /// Runs one statement on the kept session. After an error the session
-    /// is given back (the store's pool checks a connection before anyone
-    /// uses it again).
+    /// Runs one statement on the session used last, or on one it opens, and
+    /// keeps the session for the next. After an error the session is given
+    /// back (the store's pool checks a connection before anyone uses it
+    /// again).
     async fn run_statement(&mut self, inputs: &[Arc<S::Input>]) -> StoreResult<Vec<S::Output>> {
-        let result = self.statement.run(self.kept.for_statement(), inputs).await;
-        self.kept.used();
-        if result.is_err() {
-            self.kept.give_back();
+        let (mut session, opened) = match self.kept.take() {
+            Some((session, opened)) => (Some(session), opened),
+            None => (None, Instant::now()),
+        };
+        let result = self.statement.run(&mut session, inputs).await;
+        if result.is_ok()
+            && let Some(session) = session
+        {
+            self.kept.put(session, opened);
         }
         result
     }

@@ -9,7 +9,7 @@ use futures_util::future::join_all;
 
 use super::{
     AcquiredRow, Connection, Db, RecordRow, Store, StoreError, StoreResult,
-    batch::{BatchSettings, Batchable, Batcher, Statement},
+    batch::{BatchSettings, Batchable, Batcher, Kept, Statement},
     statements::{self, RowWait},
 };
 use crate::{
@@ -156,10 +156,21 @@ pub(super) struct Batchers {
 }
 
 impl Batchers {
+    /// The two share their kept connections: at low load an Acquire and
+    /// the Complete after it run on the same connection, and so the same
+    /// Postgres backend, as a hand-written service's would (two backends
+    /// taking turns, each idle while the other runs, cost about 30 µs more
+    /// per pair at one caller, `docs/performance.md`).
     pub(super) fn spawn(db: &Db, settings: BatchSettings) -> Self {
+        let kept = Arc::new(Kept::default());
         Self {
-            acquire: Batcher::spawn("acquire", settings, Acquires(db.clone())),
-            finish: Batcher::spawn("finish", settings, Finishes(db.clone())),
+            acquire: Batcher::spawn_sharing(
+                "acquire",
+                settings,
+                Acquires(db.clone()),
+                kept.clone(),
+            ),
+            finish: Batcher::spawn_sharing("finish", settings, Finishes(db.clone()), kept),
         }
     }
 }

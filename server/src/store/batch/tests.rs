@@ -826,3 +826,73 @@ async fn a_dropped_batcher_ends_its_workers_session() {
     tokio::time::sleep(MS).await;
     assert_eq!(fake.ended(), 1);
 }
+
+// Sessions shared by batchers.
+
+/// Two batchers of one worker each, sharing their kept sessions, as the
+/// store's Acquire and Complete batchers do; one fake counts the sessions.
+fn two_sharing(fake: &Arc<Fake>) -> (Tested, Tested) {
+    let kept = Arc::new(Kept::default());
+    let batcher = |name| {
+        Arc::new(Batcher::spawn_sharing(
+            name,
+            settings(1),
+            fake.clone(),
+            kept.clone(),
+        ))
+    };
+    (batcher("first"), batcher("second"))
+}
+
+#[tokio::test(start_paused = true)]
+async fn batchers_sharing_kept_sessions_run_one_after_another_on_the_same_one() {
+    let fake = Fake::new(Script::Answer, TAKES);
+    let (acquires, completes) = two_sharing(&fake);
+    for key in ["key-0001", "key-0002", "key-0003"] {
+        assert_eq!(acquires.run(call(key)).await.unwrap().session, 1);
+        assert_eq!(completes.run(call(key)).await.unwrap().session, 1);
+    }
+    assert_eq!(fake.opened.load(Ordering::SeqCst), 1);
+    assert_eq!(fake.ended(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn statements_at_once_run_on_sessions_of_their_own_and_the_next_takes_the_one_used_last() {
+    let fake = Fake::new(Script::Answer, TAKES);
+    let (acquires, completes) = two_sharing(&fake);
+    let (first, second) = tokio::join!(acquires.run(call("key-0001")), async {
+        tokio::time::sleep(MS).await;
+        completes.run(call("key-0002")).await
+    });
+    assert_eq!((first.unwrap().session, second.unwrap().session), (1, 2));
+
+    // Session 2's statement ended last.
+    assert_eq!(acquires.run(call("key-0003")).await.unwrap().session, 2);
+    assert_eq!(fake.opened.load(Ordering::SeqCst), 2);
+
+    // Both are given back once idle, whichever batcher's worker waits.
+    tokio::time::sleep(KEEP_IDLE * 2).await;
+    assert_eq!(fake.ended(), 2);
+    assert_eq!(completes.run(call("key-0004")).await.unwrap().session, 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_session_due_when_taken_is_given_back_and_a_new_one_opened() {
+    let fake = Fake::new(Script::Answer, TAKES);
+    let (acquires, completes) = two_sharing(&fake);
+    let start = Instant::now();
+    // Session 1 serves both batchers, never idle for KEEP_IDLE, until it
+    // is KEEP_AT_MOST old.
+    let mut at = Duration::ZERO;
+    let mut sessions = Vec::new();
+    while at <= KEEP_AT_MOST {
+        tokio::time::sleep_until(start + at).await;
+        let key = format!("key-{:08}", at.as_millis());
+        sessions.push(acquires.run(call(&key)).await.unwrap().session);
+        sessions.push(completes.run(call(&key)).await.unwrap().session);
+        at += KEEP_IDLE / 2;
+    }
+    assert_eq!(sessions.first(), Some(&1));
+    assert_eq!(sessions.last(), Some(&2));
+    assert_eq!(fake.ended(), 1);
+}
