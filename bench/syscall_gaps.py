@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Where a server's time per call goes between its system calls, at one caller.
+
+Reads the output of `perf trace -e sendto,recvfrom,writev,epoll_wait -o FILE
+-p PID` taken of the server (or of `idempotency-bench --serve-floor`) while one
+caller sends new-key pairs, and prints, per statement, the p50 and mean of:
+
+  before: from the last read of the call's request (a `recvfrom` on the
+          caller's connection) to the statement sent to Postgres (`sendto`);
+  statement: from that `sendto` to the read of Postgres's answer (the
+          statement, its commit and the round trip, as the server sees them);
+  after:  from that read to the reply written to the caller (`writev`).
+
+The caller's connection is the one the server writes with `writev` (hyper);
+Postgres connections are the ones it writes with `sendto` (sqlx). It also
+prints how many statements went to each Postgres connection.
+
+Usage: perf trace ... -o server.trace; python3 bench/syscall_gaps.py server.trace
+"""
+
+import collections
+import re
+import statistics
+import sys
+
+LINE = re.compile(r"^\s*([\d.]+) \(\s*([\d.]+) ms\): \S+ (\w+)\(fd: (\d+).*= (-?\d+)")
+
+
+def events(path):
+    """(start µs, end µs, call, fd, result) of each traced system call."""
+    with open(path) as trace:
+        for line in trace:
+            match = LINE.match(line)
+            if match:
+                start = float(match[1]) * 1000
+                yield start, start + float(match[2]) * 1000, match[3], int(match[4]), int(match[5])
+
+
+def gaps(path):
+    calls = list(events(path))
+    callers = {fd for _, _, call, fd, _ in calls if call == "writev"}
+    before, statement, after = [], [], []
+    statements = collections.Counter()
+    request = sent = answered = None
+    for start, end, call, fd, result in calls:
+        if call == "recvfrom" and fd in callers and result > 0:
+            request = end
+        elif call == "sendto" and request is not None:
+            before.append(start - request)
+            statements[fd] += 1
+            sent, request = end, None
+        elif call == "recvfrom" and fd not in callers and result > 0 and sent is not None:
+            statement.append(end - sent)
+            answered, sent = end, None
+        elif call == "writev" and answered is not None:
+            after.append(start - answered)
+            answered = None
+    return {"before": before, "statement": statement, "after": after}, statements
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    spans, statements = gaps(sys.argv[1])
+    for name, values in spans.items():
+        if not values:
+            sys.exit(f"{sys.argv[1]}: no {name} intervals found; is it a perf trace of the server?")
+        print(
+            f"{name:>9}: p50 {statistics.median(values):6.1f} µs, "
+            f"mean {statistics.mean(values):6.1f} µs ({len(values)} statements)"
+        )
+    print("statements per Postgres connection (fd):", dict(statements))
+
+
+if __name__ == "__main__":
+    main()
