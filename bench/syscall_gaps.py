@@ -1,19 +1,22 @@
 #!/usr/bin/env python3
 """Where a server's time per call goes between its system calls, at one caller.
 
-Reads the output of `perf trace -e sendto,recvfrom,writev,epoll_wait -o FILE
--p PID` taken of the server (or of `idempotency-bench --serve-floor`) while one
+Reads the output of `perf trace -e sendto,recvfrom,writev -o FILE -p PID` taken of the server (or of `idempotency-bench --serve-floor`) while one
 caller sends new-key pairs, and prints, per statement, the p50 and mean of:
 
   before: from the last read of the call's request (a `recvfrom` on the
           caller's connection) to the statement sent to Postgres (`sendto`);
-  statement: from that `sendto` to the read of Postgres's answer (the
-          statement, its commit and the round trip, as the server sees them);
+  statement: from that `sendto` to the next read of an answer on the same
+          connection (the statement, its commit, the round trip and the
+          server's wake-up, as the server sees them);
   after:  from that read to the reply written to the caller (`writev`).
 
 The caller's connection is the one the server writes with `writev` (hyper);
 Postgres connections are the ones it writes with `sendto` (sqlx). It also
-prints how many statements went to each Postgres connection.
+prints how many statements went to each Postgres connection. A system call
+that perf shows split over two lines ("[continued]") names no connection and
+is left out; keep the caller alone, so that nothing else (health probes, the
+gauges' queries) reads and writes between a request and its reply.
 
 Usage: perf trace ... -o server.trace; python3 bench/syscall_gaps.py server.trace
 """
@@ -42,14 +45,15 @@ def gaps(path):
     before, statement, after = [], [], []
     statements = collections.Counter()
     request = sent = answered = None
+    database = None  # the connection the statement went to
     for start, end, call, fd, result in calls:
         if call == "recvfrom" and fd in callers and result > 0:
             request = end
         elif call == "sendto" and request is not None:
             before.append(start - request)
             statements[fd] += 1
-            sent, request = end, None
-        elif call == "recvfrom" and fd not in callers and result > 0 and sent is not None:
+            sent, database, request = end, fd, None
+        elif call == "recvfrom" and fd == database and result > 0 and sent is not None:
             statement.append(end - sent)
             answered, sent = end, None
         elif call == "writev" and answered is not None:

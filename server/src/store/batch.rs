@@ -71,7 +71,7 @@ pub trait Batchable: Send + Sync + 'static {
 }
 
 /// One kind of call as a batcher runs it: many calls as one statement, on a
-/// session a worker keeps, or one call alone for its caller.
+/// kept session, or one call alone for its caller.
 pub trait Statement: Send + Sync + 'static {
     type Input: Batchable;
     type Output: Send + 'static;
@@ -99,10 +99,9 @@ pub trait Statement: Send + Sync + 'static {
     ) -> impl Future<Output = StoreResult<Self::Output>> + Send;
 }
 
-/// A worker whose last statement ended this long ago gives its session
-/// back.
+/// A kept session whose last statement ended this long ago is given back.
 pub const KEEP_IDLE: Duration = Duration::from_secs(1);
-/// A worker gives its session back after this long even while busy, so that
+/// A kept session is given back after this long even while busy, so that
 /// the pool's own limits (a connection's lifetime) still apply.
 pub const KEEP_AT_MOST: Duration = Duration::from_secs(30);
 
@@ -164,8 +163,8 @@ pub struct Batcher<S: Statement> {
 }
 
 impl<S: Statement> Batcher<S> {
-    /// Starts `settings.workers` workers running `statement`, keeping their
-    /// sessions to themselves. `name` labels the metrics.
+    /// Starts `settings.workers` workers running `statement`, which keep
+    /// their sessions on a stack of their own. `name` labels the metrics.
     pub fn spawn(name: &'static str, settings: BatchSettings, statement: S) -> Self {
         Self::spawn_sharing(name, settings, statement, Arc::default())
     }
@@ -247,7 +246,8 @@ impl<S: Statement> Batcher<S> {
 }
 
 impl<S: Statement> Drop for Batcher<S> {
-    /// Stops the workers; each gives back its session.
+    /// Stops the workers; the sessions they kept go with the last of the
+    /// batchers sharing them.
     fn drop(&mut self) {
         self.queue.close();
     }
@@ -311,10 +311,10 @@ impl<I: Batchable, O> Queue<I, O> {
 
 impl<I, O> Queue<I, O> {
     /// Queues `unit` and wakes the worker that went idle last: at low load
-    /// one worker takes every statement, on the connection (and Postgres
-    /// backend) it used a moment ago, instead of the workers taking turns on
-    /// connections that idled meanwhile (about 80 µs per pair at one caller,
-    /// `docs/performance.md`). The others still take calls whenever it is busy.
+    /// one worker takes every statement, a task that ran a moment ago,
+    /// instead of the workers taking turns (the connection it takes is the
+    /// one used last in any case, see [`Kept`]). The others still take calls
+    /// whenever it is busy.
     fn push(&self, unit: Vec<Job<I, O>>) {
         lock(&self.state).units.push_back(unit);
         self.arrived.notify_last();
@@ -526,16 +526,23 @@ impl<S> Default for Kept<S> {
 }
 
 impl<S> Kept<S> {
-    /// The idle session used last and when it was opened, unless it is due;
-    /// `None`: the statement opens one (from now).
+    /// The idle session used last that is not due, and when it was opened;
+    /// `None`: the statement opens one (from now). Due ones on top of it are
+    /// given back.
     fn take(&self) -> Option<(S, Instant)> {
         let now = Instant::now();
-        let taken = lock(&self.idle).pop();
-        match taken {
-            Some(kept) if kept.due() > now => Some((kept.session, kept.opened)),
-            // Due: given back here (dropped), and the statement opens one.
-            _ => None,
-        }
+        let mut due = Vec::new();
+        let taken = {
+            let mut idle = lock(&self.idle);
+            loop {
+                match idle.pop() {
+                    Some(kept) if kept.due() <= now => due.push(kept),
+                    taken => break taken,
+                }
+            }
+        };
+        drop(due); // Outside the lock: a connection goes back to its pool.
+        taken.map(|kept| (kept.session, kept.opened))
     }
 
     /// `session`, opened at `opened`, after a statement that just ended.
@@ -552,10 +559,7 @@ impl<S> Kept<S> {
     fn expire(&self) -> Option<Instant> {
         let now = Instant::now();
         let mut idle = lock(&self.idle);
-        let (due, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut *idle)
-            .into_iter()
-            .partition(|kept| kept.due() <= now);
-        *idle = kept;
+        let due: Vec<_> = idle.extract_if(.., |kept| kept.due() <= now).collect();
         let next = idle.iter().map(KeptSession::due).min();
         drop(idle);
         drop(due); // Outside the lock: a connection goes back to its pool.
@@ -627,8 +631,8 @@ impl<'q, I, O> Batch<'q, I, O> {
     }
 }
 
-/// One of a batcher's workers: it runs one statement at a time, with the
-/// session it keeps between them.
+/// One of a batcher's workers: it runs one statement at a time, each on the
+/// kept session used last (or one it opens), which it puts back after.
 struct Worker<S: Statement> {
     /// Calls per statement (`idempotency_db_batch_size`).
     batch_size: metrics::Histogram,
@@ -653,13 +657,15 @@ impl<S: Statement> Worker<S> {
             self.run_batch(std::mem::take(&mut taken.jobs)).await;
             // `taken` drops here: its records' later calls may run.
         }
-        // The batcher was dropped: the kept session goes with the worker.
+        // The batcher was dropped: the kept sessions go with the last worker
+        // sharing them.
     }
 
     /// Waits for calls it can take. Sessions kept too long, or idle since
-    /// their last statement, are given back first, and while it waits (a
-    /// worker that put one back always comes here next). `false`: the
-    /// batcher was dropped.
+    /// their last statement, are given back first, and while it waits: a
+    /// worker comes here after every batch, so the one that put a session
+    /// back last waits with a timer for it (and for those under it). `false`:
+    /// the batcher was dropped.
     async fn wait_for_calls(&mut self) -> bool {
         loop {
             let Some(due) = self.kept.expire() else {
@@ -702,8 +708,8 @@ impl<S: Statement> Worker<S> {
         }
     }
 
-    /// Runs each call as a statement of its own, on this worker's session,
-    /// after a statement for all of them failed.
+    /// Runs each call as a statement of its own, on kept sessions, after a
+    /// statement for all of them failed.
     async fn run_each(
         &mut self,
         inputs: &[Arc<S::Input>],

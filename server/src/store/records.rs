@@ -159,7 +159,7 @@ impl Batchers {
     /// The two share their kept connections: at low load an Acquire and
     /// the Complete after it run on the same connection, and so the same
     /// Postgres backend, as a hand-written service's would (two backends
-    /// taking turns, each idle while the other runs, cost about 30 µs more
+    /// taking turns, each idle while the other runs, cost about 20 µs more
     /// per pair at one caller, `docs/performance.md`).
     pub(super) fn spawn(db: &Db, settings: BatchSettings) -> Self {
         let kept = Arc::new(Kept::default());

@@ -1,6 +1,6 @@
 //! The hot path's SQL: Acquire's insert-or-read and takeover, and Complete /
 //! terminal Fail. Each is one round trip on the connection it is given (a
-//! batch worker's kept one, or one of the call's own). The SQL stays beside
+//! kept one, which the batchers share, or one of the call's own). The SQL stays beside
 //! the code that binds its `$n` and reads its rows, with the reasons for
 //! each clause.
 //!

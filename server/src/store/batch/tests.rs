@@ -896,3 +896,57 @@ async fn a_session_due_when_taken_is_given_back_and_a_new_one_opened() {
     assert_eq!(sessions.last(), Some(&2));
     assert_eq!(fake.ended(), 1);
 }
+
+// The kept sessions' stack alone.
+
+fn session(number: usize, ended: &Arc<AtomicUsize>) -> Session {
+    Session {
+        number,
+        ended: ended.clone(),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_session_used_last_is_taken_first() {
+    let (kept, ended) = (Kept::default(), Arc::new(AtomicUsize::new(0)));
+    kept.put(session(1, &ended), Instant::now());
+    tokio::time::advance(MS).await;
+    kept.put(session(2, &ended), Instant::now());
+
+    let (taken, _) = kept.take().unwrap();
+    assert_eq!(taken.number, 2);
+    let (taken, _) = kept.take().unwrap();
+    assert_eq!(taken.number, 1);
+    assert!(kept.take().is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn sessions_due_on_top_are_given_back_and_the_one_under_them_taken() {
+    let (kept, ended) = (Kept::default(), Arc::new(AtomicUsize::new(0)));
+    let start = Instant::now();
+    tokio::time::advance(KEEP_AT_MOST).await;
+    kept.put(session(1, &ended), Instant::now());
+    // Used last, but opened KEEP_AT_MOST ago.
+    kept.put(session(2, &ended), start);
+
+    let (taken, opened) = kept.take().unwrap();
+
+    assert_eq!((taken.number, opened), (1, start + KEEP_AT_MOST));
+    assert_eq!(ended.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn expire_gives_back_the_idle_sessions_that_are_due_and_tells_the_next_due() {
+    let (kept, ended) = (Kept::default(), Arc::new(AtomicUsize::new(0)));
+    let start = Instant::now();
+    kept.put(session(1, &ended), start);
+    tokio::time::advance(KEEP_IDLE / 2).await;
+    kept.put(session(2, &ended), Instant::now());
+    assert_eq!(kept.expire(), Some(start + KEEP_IDLE));
+
+    tokio::time::advance(KEEP_IDLE / 2).await;
+    assert_eq!(kept.expire(), Some(start + KEEP_IDLE * 3 / 2));
+    assert_eq!(ended.load(Ordering::SeqCst), 1);
+    assert_eq!(kept.take().unwrap().0.number, 2);
+    assert_eq!(kept.expire(), None);
+}
