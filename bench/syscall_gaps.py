@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Where a server's time per call goes between its system calls, at one caller.
 
-Reads the output of `perf trace -e sendto,recvfrom,writev -o FILE -p PID` taken of the server (or of `idempotency-bench --serve-floor`) while one
+Reads the output of `perf trace -e sendto,recvfrom,writev -o FILE -p PID`
+taken of the server (or of `idempotency-bench --serve-floor`) while one
 caller sends new-key pairs, and prints, per statement, the p50 and mean of:
 
   before: from the last read of the call's request (a `recvfrom` on the

@@ -164,14 +164,10 @@ pub struct Batcher<S: Statement> {
 
 impl<S: Statement> Batcher<S> {
     /// Starts `settings.workers` workers running `statement`, which keep
-    /// their sessions on a stack of their own. `name` labels the metrics.
-    pub fn spawn(name: &'static str, settings: BatchSettings, statement: S) -> Self {
-        Self::spawn_sharing(name, settings, statement, Arc::default())
-    }
-
-    /// [`Batcher::spawn`], with the sessions kept in `kept`, which other
-    /// batchers may share.
-    pub fn spawn_sharing(
+    /// their sessions in `kept`: other batchers may share it, or
+    /// `Arc::default()` gives them a stack of their own. `name` labels the
+    /// metrics.
+    pub fn spawn(
         name: &'static str,
         settings: BatchSettings,
         statement: S,

@@ -164,13 +164,8 @@ impl Batchers {
     pub(super) fn spawn(db: &Db, settings: BatchSettings) -> Self {
         let kept = Arc::new(Kept::default());
         Self {
-            acquire: Batcher::spawn_sharing(
-                "acquire",
-                settings,
-                Acquires(db.clone()),
-                kept.clone(),
-            ),
-            finish: Batcher::spawn_sharing("finish", settings, Finishes(db.clone()), kept),
+            acquire: Batcher::spawn("acquire", settings, Acquires(db.clone()), kept.clone()),
+            finish: Batcher::spawn("finish", settings, Finishes(db.clone()), kept),
         }
     }
 }

@@ -214,7 +214,12 @@ fn settings(workers: usize) -> BatchSettings {
 type Tested = Arc<Batcher<Arc<Fake>>>;
 
 fn spawn(fake: &Arc<Fake>, settings: BatchSettings) -> Tested {
-    Arc::new(Batcher::spawn("test", settings, fake.clone()))
+    Arc::new(Batcher::spawn(
+        "test",
+        settings,
+        fake.clone(),
+        Arc::default(),
+    ))
 }
 
 /// One worker running `script`, each statement taking [`TAKES`].
@@ -834,7 +839,7 @@ async fn a_dropped_batcher_ends_its_workers_session() {
 fn two_sharing(fake: &Arc<Fake>) -> (Tested, Tested) {
     let kept = Arc::new(Kept::default());
     let batcher = |name| {
-        Arc::new(Batcher::spawn_sharing(
+        Arc::new(Batcher::spawn(
             name,
             settings(1),
             fake.clone(),
