@@ -261,11 +261,20 @@ async fn a_read_only_database_is_not_serving_and_no_read_only_connection_outlive
                 app.db.name
             )
         };
+        // Explicitly read-write: the admin pool may open a session after
+        // the database turned read-only, and on such a session even the
+        // RESET is refused (SQLSTATE 25006).
         async move {
-            sqlx::query(sqlx::AssertSqlSafe(sql))
-                .execute(admin)
+            let mut tx = admin.begin().await.unwrap();
+            sqlx::query("SET TRANSACTION READ WRITE")
+                .execute(&mut *tx)
                 .await
-                .unwrap()
+                .unwrap();
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
         }
     };
 
