@@ -2,7 +2,9 @@
 //! transaction and a WAL flush. Each call still gets its answer only after
 //! the statement holding its row committed.
 //!
-//! There is no waiting window: a lone call runs at once. Under load, calls
+//! There is no waiting window: a lone call runs at once. When nothing is
+//! queued or running, it runs in its caller's own task, with no hand-off to
+//! a worker and back ([`Batcher::run`]). Under load, calls
 //! queue while a statement runs, and the next statement takes them all. One
 //! statement per kind runs at a time, so that batches grow with the load
 //! (a statement's fixed cost, not its rows, is what a batch saves); a second
@@ -28,7 +30,8 @@
 //! every kind, as a hand-written service's one connection would. A session is
 //! given back once its last statement ended [`KEEP_IDLE`] ago, or it was
 //! kept [`KEEP_AT_MOST`]: both are checked whenever a worker looks for
-//! calls, and while it waits.
+//! calls, and while it waits (a session that a call put back in its own
+//! task wakes a worker that had none to watch).
 //!
 //! A row that another session holds stalls a statement only briefly: the
 //! store's statements wait for it at most `BATCH_ROW_WAIT` (100 ms), then
@@ -48,7 +51,10 @@ use std::{
     collections::{HashSet, VecDeque},
     future::Future,
     hash::{BuildHasher, RandomState},
-    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    sync::{
+        Arc, Mutex, MutexGuard, PoisonError,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
@@ -160,6 +166,10 @@ pub struct Batcher<S: Statement> {
     name: &'static str,
     queue: Arc<QueueOf<S>>,
     statement: Arc<S>,
+    /// Shared with the workers, for a lone call that runs in its caller's task.
+    running: Arc<Running>,
+    kept: Arc<Kept<S::Session>>,
+    batch_size: metrics::Histogram,
 }
 
 impl<S: Statement> Batcher<S> {
@@ -194,15 +204,78 @@ impl<S: Statement> Batcher<S> {
             name,
             queue,
             statement,
+            running,
+            kept,
+            batch_size,
         }
     }
 
     /// Runs `input` in the next batch that can hold it, or alone when its
     /// batch fails for its rows' sake, and returns its own answer.
+    ///
+    /// When the batcher is idle (nothing queued, no statement running) the
+    /// call is a statement of its own at once, as a worker would run it,
+    /// but in the caller's task: a worker's hand-off (queue, wake, reply
+    /// channel, a second task's turn) cost a lone caller about 10 µs of the
+    /// server's CPU and 17 µs of latency per pair (docs/performance.md). It
+    /// takes the turn and holds its record as a worker's statement does, so
+    /// calls that come meanwhile queue behind it and form the next batch.
     pub async fn run(&self, input: Arc<S::Input>) -> StoreResult<S::Output> {
+        if let Some(idle) = self.idle_turn(&input) {
+            return self.run_in_caller(input, idle).await;
+        }
         let (job, answer) = self.queue.job(input.clone());
         self.queue.push(vec![job]);
         self.answer(input, answer).await
+    }
+
+    /// A turn and `input`'s record, when nothing is queued, no statement
+    /// runs (so no record is held) and the batcher is open. Claimed under
+    /// the queue's lock, so a worker that finds calls after it waits for
+    /// the turn, and a call for the same record waits for the statement.
+    fn idle_turn(&self, input: &S::Input) -> Option<IdleTurn<'_, S::Input, S::Output>> {
+        let record = self.queue.hasher.hash_one(input.record());
+        let mut queued = lock(&self.queue.state);
+        if queued.closed || !queued.units.is_empty() {
+            return None;
+        }
+        let turn = self.running.try_claim_idle()?;
+        queued.held.insert(record);
+        drop(queued);
+        let taken = Taken {
+            jobs: Vec::new(),
+            records: vec![record],
+            queue: &self.queue,
+        };
+        Some(IdleTurn {
+            _taken: taken,
+            _turn: turn,
+        })
+    }
+
+    /// [`Batcher::run`] for a call that got an idle turn: its statement on
+    /// a kept session, then, when that failed for its rows' sake, alone.
+    async fn run_in_caller(
+        &self,
+        input: Arc<S::Input>,
+        idle: IdleTurn<'_, S::Input, S::Output>,
+    ) -> StoreResult<S::Output> {
+        self.batch_size.record(1.0);
+        let result = run_on_kept(&*self.statement, &self.kept, std::slice::from_ref(&input))
+            .await
+            .and_then(|mut outputs| match (outputs.pop(), outputs.is_empty()) {
+                (Some(output), true) => Ok(output),
+                _ => Err(StoreError::Corrupt(format!(
+                    "a statement of one call answered {} results",
+                    outputs.len() + 1
+                ))),
+            });
+        // Its record's later calls, and the next statement, may run.
+        drop(idle);
+        match result {
+            Err(error) if error.concerns_rows() => self.run_alone(input).await,
+            result => result,
+        }
     }
 
     /// Runs `inputs` as one unit: in one statement when they are for
@@ -231,13 +304,15 @@ impl<S: Statement> Batcher<S> {
     ) -> StoreResult<S::Output> {
         match answer.await.map_err(|_| stopped())? {
             Reply::Done(result) => result,
-            Reply::Alone => {
-                metrics::counter!(crate::metrics::DB_CALLS_ALONE_TOTAL, "query" => self.name)
-                    .increment(1);
-                // Boxed: rare, and a call's future stays small without it.
-                Box::pin(self.statement.run_alone(input)).await
-            }
+            Reply::Alone => self.run_alone(input).await,
         }
+    }
+
+    /// Runs a call whose statement failed for its rows' sake alone.
+    async fn run_alone(&self, input: Arc<S::Input>) -> StoreResult<S::Output> {
+        metrics::counter!(crate::metrics::DB_CALLS_ALONE_TOTAL, "query" => self.name).increment(1);
+        // Boxed: rare, and a call's future stays small without it.
+        Box::pin(self.statement.run_alone(input)).await
     }
 }
 
@@ -420,6 +495,14 @@ impl<I, O> Drop for Taken<'_, I, O> {
     }
 }
 
+/// A lone call's claim at rest ([`Batcher::run`]): its record is held
+/// (released first, as a worker's [`Taken`] is) and its statement counts as
+/// running, until dropped.
+struct IdleTurn<'q, I, O> {
+    _taken: Taken<'q, I, O>,
+    _turn: Turn,
+}
+
 /// The statements of one batcher running now, and when the latest started:
 /// the gate that lets a second one start only while the first is slow.
 struct Running {
@@ -477,6 +560,17 @@ impl Running {
         state.latest_start = now;
         Ok(Turn(self.clone()))
     }
+
+    /// A turn now, only when no statement runs.
+    fn try_claim_idle(self: &Arc<Self>) -> Option<Turn> {
+        let mut state = lock(&self.state);
+        if state.statements > 0 {
+            return None;
+        }
+        state.statements += 1;
+        state.latest_start = Instant::now();
+        Some(Turn(self.clone()))
+    }
 }
 
 /// Counts a statement as running until dropped.
@@ -490,11 +584,17 @@ impl Drop for Turn {
 }
 
 /// Sessions kept between statements: the idle ones, the one used last on
-/// top. A worker takes one for a statement and puts it back when the
-/// statement succeeded, so at most one per worker exists. Sessions that are
-/// due (see [`Kept::expire`]) are given back: dropped, outside the lock.
+/// top. A statement takes one and puts it back when it succeeded, so at
+/// most one per worker (and per lone call in its caller's task) exists.
+/// Sessions that are due (see [`Kept::expire`]) are given back: dropped,
+/// outside the lock.
 pub struct Kept<S> {
     idle: Mutex<Vec<KeptSession<S>>>,
+    /// A worker found no session to watch (`expire` gave `None`): the next
+    /// session put on the empty stack wakes the workers (`put_back`), which
+    /// a call in its own task does not come back to watch as a worker does.
+    unwatched: AtomicBool,
+    put_back: Notify,
 }
 
 /// An idle session, since when it was opened, and when its last statement
@@ -517,6 +617,8 @@ impl<S> Default for Kept<S> {
     fn default() -> Self {
         Self {
             idle: Mutex::new(Vec::new()),
+            unwatched: AtomicBool::new(false),
+            put_back: Notify::new(),
         }
     }
 }
@@ -543,11 +645,19 @@ impl<S> Kept<S> {
 
     /// `session`, opened at `opened`, after a statement that just ended.
     fn put(&self, session: S, opened: Instant) {
-        lock(&self.idle).push(KeptSession {
-            session,
-            opened,
-            used: Instant::now(),
-        });
+        let was_empty = {
+            let mut idle = lock(&self.idle);
+            let was_empty = idle.is_empty();
+            idle.push(KeptSession {
+                session,
+                opened,
+                used: Instant::now(),
+            });
+            was_empty
+        };
+        if was_empty && self.unwatched.swap(false, Ordering::AcqRel) {
+            self.put_back.notify_waiters();
+        }
     }
 
     /// Gives back the idle sessions that are due, and tells when the next
@@ -557,6 +667,9 @@ impl<S> Kept<S> {
         let mut idle = lock(&self.idle);
         let due: Vec<_> = idle.extract_if(.., |kept| kept.due() <= now).collect();
         let next = idle.iter().map(KeptSession::due).min();
+        if next.is_none() {
+            self.unwatched.store(true, Ordering::Release);
+        }
         drop(idle);
         drop(due); // Outside the lock: a connection goes back to its pool.
         next
@@ -664,8 +777,16 @@ impl<S: Statement> Worker<S> {
     /// the batcher was dropped.
     async fn wait_for_calls(&mut self) -> bool {
         loop {
+            // Registered before the check, so a session put back in between
+            // wakes it.
+            let put_back = self.kept.put_back.notified();
+            tokio::pin!(put_back);
+            put_back.as_mut().enable();
             let Some(due) = self.kept.expire() else {
-                return self.queue.ready().await;
+                tokio::select! {
+                    open = self.queue.ready() => return open,
+                    () = put_back => continue,
+                }
             };
             if let Ok(open) = tokio::time::timeout_at(due, self.queue.ready()).await {
                 return open;
@@ -730,23 +851,31 @@ impl<S: Statement> Worker<S> {
         }
     }
 
-    /// Runs one statement on the session used last, or on one it opens, and
-    /// keeps the session for the next. After an error the session is given
-    /// back (the store's pool checks a connection before anyone uses it
-    /// again).
     async fn run_statement(&mut self, inputs: &[Arc<S::Input>]) -> StoreResult<Vec<S::Output>> {
-        let (mut session, opened) = match self.kept.take() {
-            Some((session, opened)) => (Some(session), opened),
-            None => (None, Instant::now()),
-        };
-        let result = self.statement.run(&mut session, inputs).await;
-        if result.is_ok()
-            && let Some(session) = session
-        {
-            self.kept.put(session, opened);
-        }
-        result
+        run_on_kept(&*self.statement, &self.kept, inputs).await
     }
+}
+
+/// Runs one statement on the session used last, or on one it opens, and
+/// keeps the session for the next. After an error the session is given
+/// back (the store's pool checks a connection before anyone uses it
+/// again); so it is when the caller's future is dropped mid-statement.
+async fn run_on_kept<S: Statement>(
+    statement: &S,
+    kept: &Kept<S::Session>,
+    inputs: &[Arc<S::Input>],
+) -> StoreResult<Vec<S::Output>> {
+    let (mut session, opened) = match kept.take() {
+        Some((session, opened)) => (Some(session), opened),
+        None => (None, Instant::now()),
+    };
+    let result = statement.run(&mut session, inputs).await;
+    if result.is_ok()
+        && let Some(session) = session
+    {
+        kept.put(session, opened);
+    }
+    result
 }
 
 fn answer_all<O>(replies: Vec<oneshot::Sender<Reply<O>>>, reply: impl Fn() -> Reply<O>) {

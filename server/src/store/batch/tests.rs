@@ -82,6 +82,8 @@ struct Fake {
     statements: Mutex<Vec<(Instant, Vec<String>)>>,
     /// Keys of the calls run alone.
     alone: Mutex<Vec<String>>,
+    /// The task each statement ran in.
+    tasks: Mutex<Vec<Option<tokio::task::Id>>>,
 }
 
 impl Fake {
@@ -93,7 +95,12 @@ impl Fake {
             ended: Arc::new(AtomicUsize::new(0)),
             statements: Mutex::default(),
             alone: Mutex::default(),
+            tasks: Mutex::default(),
         })
+    }
+
+    fn tasks(&self) -> Vec<Option<tokio::task::Id>> {
+        self.tasks.lock().unwrap().clone()
     }
 
     fn statements(&self) -> Vec<Vec<String>> {
@@ -152,6 +159,7 @@ impl Statement for Arc<Fake> {
             statements.push((Instant::now(), keys(inputs)));
             statements.len()
         };
+        self.tasks.lock().unwrap().push(tokio::task::try_id());
         tokio::time::sleep(self.takes(inputs)).await;
         let ran = Ran {
             statement,
@@ -260,6 +268,100 @@ async fn a_lone_call_runs_at_once() {
     assert_eq!(asked.elapsed(), Duration::ZERO);
     assert_eq!(ran.statement, 1);
     assert_eq!(fake.statements(), [["key-0001"]]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_at_rest_runs_in_its_callers_task_and_the_calls_behind_it_in_a_worker() {
+    let fake = Fake::new(Script::Answer, TAKES);
+    let batcher = spawn(&fake, settings(2));
+    let run = |key: &'static str| {
+        let batcher = batcher.clone();
+        tokio::spawn(async move { batcher.run(call(key)).await })
+    };
+
+    let first = run("key-0001");
+    tokio::time::sleep(MS).await;
+    let behind = [run("key-0002"), run("key-0003")];
+    let first_task = first.id();
+    let behind_tasks = behind.each_ref().map(|task| task.id());
+    first.await.unwrap().unwrap();
+    for task in behind {
+        assert_eq!(task.await.unwrap().unwrap().statement, 2);
+    }
+
+    let tasks = fake.tasks();
+    assert_eq!(tasks[0], Some(first_task), "no hand-off at rest");
+    let worker = tasks[1].expect("statements run in tasks");
+    assert!(
+        worker != first_task && !behind_tasks.contains(&worker),
+        "a queued batch runs in a worker"
+    );
+    assert_eq!(
+        fake.statements(),
+        [vec!["key-0001"], vec!["key-0002", "key-0003"]]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_at_rest_whose_caller_left_mid_statement_gives_up_its_session_turn_and_record() {
+    let (batcher, fake) = one_worker(Script::Answer);
+    let left = tokio::spawn({
+        let batcher = batcher.clone();
+        async move { batcher.run(call("key-0001")).await }
+    });
+    tokio::time::sleep(MS).await;
+    left.abort();
+    let _ = left.await;
+    assert_eq!(fake.ended(), 1, "a session mid-statement is not kept");
+
+    // The turn and the record are free again: the same key runs at once.
+    let asked = Instant::now();
+    let ran = batcher.run(call("key-0001")).await.unwrap();
+    assert_eq!(asked.elapsed(), TAKES);
+    assert_eq!(
+        ran,
+        Ran {
+            statement: 2,
+            session: 2
+        }
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lone_call_does_not_pass_calls_queued_before_it() {
+    let (batcher, fake) = one_worker(Script::Answer);
+
+    // The unit is queued, its worker not yet run, when the lone call comes.
+    let (unit, lone) = tokio::join!(
+        batcher.run_all(vec![call("key-0001"), call("key-0002")]),
+        batcher.run(call("key-0001")),
+    );
+
+    assert!(unit.iter().all(|ran| ran.as_ref().unwrap().statement == 1));
+    assert_eq!(lone.unwrap().statement, 2);
+    assert_eq!(
+        fake.statements(),
+        [vec!["key-0001", "key-0002"], vec!["key-0001"]]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_call_at_rest_holds_its_record_from_an_overlapping_statement() {
+    let fake = Fake::new(Script::Answer, TAKES);
+    let batcher = spawn(&fake, settings(2));
+
+    let answers =
+        run_behind_first(&batcher, "key-0001-stuck", &["key-0001-stuck", "key-0002"]).await;
+
+    assert_eq!(statement_numbers(answers), [3, 2]);
+    assert_eq!(
+        fake.statements(),
+        [
+            vec!["key-0001-stuck"],
+            vec!["key-0002"],
+            vec!["key-0001-stuck"]
+        ]
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -622,6 +724,21 @@ async fn a_statement_failing_for_its_rows_runs_every_call_alone() {
             "{code}"
         );
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lone_call_whose_statement_failed_for_its_row_runs_alone() {
+    let (batcher, fake) = one_worker(Script::FailWhenHeld("55P03"));
+
+    let ran = batcher.run(call("key-0001-held")).await.unwrap();
+
+    assert_eq!(ran, ALONE);
+    assert_eq!(fake.alone(), ["key-0001-held"]);
+    assert_eq!(
+        fake.ended(),
+        1,
+        "the session of a failed statement is given up"
+    );
 }
 
 #[tokio::test(start_paused = true)]
