@@ -222,7 +222,10 @@ impl<S: Statement> Batcher<S> {
     /// calls that come meanwhile queue behind it and form the next batch.
     pub async fn run(&self, input: Arc<S::Input>) -> StoreResult<S::Output> {
         if let Some(idle) = self.idle_turn(&input) {
-            return self.run_in_caller(input, idle).await;
+            // Boxed: the statement's future is large, and every call's
+            // future would carry its size, also the calls that queue (1,000
+            // calls in flight took 37 instead of 21 MiB unboxed).
+            return Box::pin(self.run_in_caller(input, idle)).await;
         }
         let (job, answer) = self.queue.job(input.clone());
         self.queue.push(vec![job]);

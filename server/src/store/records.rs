@@ -225,3 +225,51 @@ impl Statement for Finishes {
         finish_alone(&self.0, input).await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use sqlx::postgres::PgPoolOptions;
+
+    use super::*;
+    use crate::domain::StoredResponse;
+
+    /// Every call in flight holds its store future, also while it queues
+    /// for a batch: 1,000 calls in flight took 37 instead of 21 MiB when the
+    /// statement a lone call runs in its own task was part of it, unboxed
+    /// (`make bench`'s memory part; in a debug build 4.8 KB against 0.5 KB
+    /// boxed). The statements' futures are boxed.
+    #[tokio::test]
+    async fn a_call_queued_for_a_batch_holds_a_small_future() {
+        const MOST_BYTES: usize = 1024;
+        let pool = PgPoolOptions::new()
+            .connect_lazy("postgres://idem@127.0.0.1:1/idem")
+            .unwrap();
+        let store = Store::with_batching(pool, BatchSettings::default());
+        let id = RecordId::parse(
+            "id",
+            "ns".into(),
+            "POST /x".into(),
+            "user".into(),
+            "key-0001".into(),
+        )
+        .unwrap();
+
+        let acquire = store.insert_or_read(Arc::new(AcquireInput {
+            id: id.clone(),
+            fingerprint: Fingerprint::parse("fingerprint", vec![1; 32]).unwrap(),
+            ttl: Duration::from_secs(60),
+            lease: Duration::from_secs(60),
+        }));
+        let finish = store.finish(Arc::new(FinishInput {
+            id,
+            fencing_token: 1,
+            state: RecordState::Completed,
+            response: StoredResponse::default(),
+        }));
+
+        let sizes = [size_of_val(&acquire), size_of_val(&finish)];
+        assert!(sizes.iter().all(|&size| size <= MOST_BYTES), "{sizes:?}");
+    }
+}

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# Two builds of the server against each other: scripts/bench-ab.sh A B, where A
+# and B are idempotencyd binaries (e.g. one built from the commit before a
+# change, copied aside, and target/release/idempotencyd). Both serve one
+# throwaway Postgres (fsync on) at once, each with one worker thread and the
+# reaper off, as in make bench; the load generator (target/release/
+# idempotency-bench, one thread) loads one, then the other, the order swapped
+# every round, with pgbench's new-key pair beside them in each round. A
+# difference seen in most rounds is one this machine resolves; one run of
+# each, minutes apart, is not (docs/performance.md, "Comparing two variants").
+#
+# AB_CONCURRENCY (1), AB_ROUNDS (6), AB_SECONDS (4), AB_SCENARIO (new-keys, or
+# replay), AB_SERVER_ARGS (flags for both servers, e.g. --replay-cache-bytes 0).
+# Prints each measurement, then per round B against A (p50 difference, pairs/s
+# ratio) and their medians, and each server's rows per statement.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf 'bench-ab: %s\n' "$*" >&2; }
+
+if [ -z "${AB_INNER:-}" ]; then
+  if [ $# -ne 2 ] || [ ! -x "$1" ] || [ ! -x "$2" ]; then
+    say "usage: scripts/bench-ab.sh A_IDEMPOTENCYD B_IDEMPOTENCYD (two executables)"
+    exit 2
+  fi
+  cargo build --release --locked -p idempotency-bench
+  exec env -u DATABASE_URL AB_INNER=1 PG_FSYNC=on scripts/with-postgres.sh "$0" "$(realpath "$1")" "$(realpath "$2")"
+fi
+
+a_bin=$1 b_bin=$2
+c=${AB_CONCURRENCY:-1} rounds=${AB_ROUNDS:-6} seconds=${AB_SECONDS:-4}
+scenario=${AB_SCENARIO:-new-keys}
+bench_bin=target/release/idempotency-bench
+pg_bin=$(dirname "$(command -v pg_ctl 2>/dev/null || ls -d /usr/lib/postgresql/*/bin/pg_ctl | sort -V | tail -n 1)")
+pgbench=$(command -v pgbench 2>/dev/null || echo "$pg_bin/pgbench")
+psql=$(command -v psql 2>/dev/null || echo "$pg_bin/psql")
+work=$(mktemp -d "${TMPDIR:-/tmp}/idempotency-ab.XXXXXX")
+pids=""
+trap 'kill $pids 2>/dev/null; rm -rf "$work"' EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+"$b_bin" migrate >/dev/null
+
+start() { # name binary; sets port_<name>, metrics_<name>, pid_<name>
+  local grpc metrics
+  grpc=$(free_port)
+  metrics=$(free_port)
+  # shellcheck disable=SC2086 # AB_SERVER_ARGS is a list of flags
+  "$2" serve --grpc-addr "127.0.0.1:$grpc" --metrics-addr "127.0.0.1:$metrics" \
+    --reaper-enabled false --worker-threads 1 ${AB_SERVER_ARGS:-} >"$work/$1.log" 2>&1 &
+  pids="$pids $!"
+  printf -v "pid_$1" '%s' "$!"
+  printf -v "port_$1" '%s' "$grpc"
+  printf -v "metrics_$1" '%s' "$metrics"
+  for _ in $(seq 100); do
+    (exec 3<>"/dev/tcp/127.0.0.1/$grpc") 2>/dev/null && return
+    sleep 0.1
+  done
+  say "server $1 did not start; its log:"
+  cat "$work/$1.log" >&2
+  exit 1
+}
+start a "$a_bin"
+start b "$b_bin"
+say "A $a_bin (pid $pid_a), B $b_bin (pid $pid_b); $rounds rounds of ${seconds}s, $scenario, $c callers"
+
+measure() { # name round
+  local port=port_$1 pid=pid_$1
+  "$psql" -q -c CHECKPOINT "$DATABASE_URL" >/dev/null
+  "$bench_bin" --endpoint "http://127.0.0.1:${!port}" --scenario "$scenario" --concurrency "$c" \
+    --connections 1 --threads 1 --duration "${seconds}s" --warmup 1s --payload-bytes 256 \
+    --keys 1000 --server-pid "${!pid}" --json >"$work/$1-$2.json"
+  python3 - "$work/$1-$2.json" "$1" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+cpu = lambda k: 1e6 * (d[k] or 0) / d["ops"]
+print(f"{sys.argv[2].upper()}        {d['ops_per_sec']:9.1f}/s  p50 {d['latency_us']['p50']:6d} µs  "
+      f"server CPU {cpu('server_cpu_seconds'):5.0f} µs/op  load generator {cpu('client_cpu_seconds'):4.0f}")
+EOF
+}
+
+for round in $(seq "$rounds"); do
+  if [ "$scenario" = new-keys ]; then
+    "$psql" -q -c CHECKPOINT "$DATABASE_URL" >/dev/null
+    "$pgbench" -M prepared -n -c "$c" -j "$((c > 1 ? 2 : 1))" -T "$seconds" \
+      -f bench/pgbench/new_key_pair.sql -D payload=256 "$DATABASE_URL" 2>/dev/null |
+      awk '/^latency average/ { lat = $4 } /^tps/ { tps = $3 }
+           END { printf "pgbench  %9.1f/s  mean %6.0f µs\n", tps, lat * 1000 }'
+  fi
+  if [ $((round % 2)) = 1 ]; then measure a "$round"; measure b "$round"; else measure b "$round"; measure a "$round"; fi
+done
+
+python3 - "$work" "$rounds" <<'EOF'
+import json, statistics, sys
+work, rounds = sys.argv[1], int(sys.argv[2])
+load = lambda name, r: json.load(open(f"{work}/{name}-{r}.json"))
+diffs, ratios = [], []
+for r in range(1, rounds + 1):
+    a, b = load("a", r), load("b", r)
+    diffs.append(b["latency_us"]["p50"] - a["latency_us"]["p50"])
+    ratios.append(b["ops_per_sec"] / a["ops_per_sec"])
+print("B against A, per round: p50 " + " / ".join(f"{d:+d}" for d in diffs) + " µs; ops/s "
+      + " / ".join(f"{x:.3f}" for x in ratios))
+print(f"medians: p50 {statistics.median(diffs):+.0f} µs, ops/s {statistics.median(ratios):.3f}x; "
+      f"B faster in {sum(x > 1 for x in ratios)} of {rounds} rounds")
+EOF
+for name in a b; do
+  metrics=metrics_$name
+  curl -s "http://127.0.0.1:${!metrics}/metrics" >"$work/$name.metrics"
+  python3 - "$work/$name.metrics" "$name" <<'EOF'
+import re, sys
+rows = {}
+for line in open(sys.argv[1]):
+    m = re.match(r'idempotency_db_batch_size_(sum|count)\{query="(\w+)"\} (\S+)', line)
+    if m:
+        rows.setdefault(m[2], {})[m[1]] = float(m[3])
+print(sys.argv[2].upper(), "rows per statement:", ", ".join(
+    f"{q} {v['sum'] / v['count']:.2f} over {v['count']:.0f}" for q, v in sorted(rows.items()) if v.get("count")))
+EOF
+done
