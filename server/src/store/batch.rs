@@ -51,10 +51,12 @@ use std::{
     collections::{HashSet, VecDeque},
     future::Future,
     hash::{BuildHasher, RandomState},
+    pin::Pin,
     sync::{
         Arc, Mutex, MutexGuard, PoisonError,
         atomic::{AtomicBool, Ordering},
     },
+    task::{Context, Poll},
     time::Duration,
 };
 
@@ -219,13 +221,12 @@ impl<S: Statement> Batcher<S> {
     /// channel, a second task's turn) cost a lone caller about 10 µs of the
     /// server's CPU and 17 µs of latency per pair (docs/performance.md). It
     /// takes the turn and holds its record as a worker's statement does, so
-    /// calls that come meanwhile queue behind it and form the next batch.
+    /// calls that come meanwhile queue behind it and form the next batch;
+    /// and like a worker's, its statement runs to its end even when the
+    /// caller leaves ([`RunToEnd`]).
     pub async fn run(&self, input: Arc<S::Input>) -> StoreResult<S::Output> {
         if let Some(idle) = self.idle_turn(&input) {
-            // Boxed: the statement's future is large, and every call's
-            // future would carry its size, also the calls that queue (1,000
-            // calls in flight took 37 instead of 21 MiB unboxed).
-            return Box::pin(self.run_in_caller(input, idle)).await;
+            return self.run_in_caller(input, idle).await;
         }
         let (job, answer) = self.queue.job(input.clone());
         self.queue.push(vec![job]);
@@ -236,7 +237,7 @@ impl<S: Statement> Batcher<S> {
     /// runs (so no record is held) and the batcher is open. Claimed under
     /// the queue's lock, so a worker that finds calls after it waits for
     /// the turn, and a call for the same record waits for the statement.
-    fn idle_turn(&self, input: &S::Input) -> Option<IdleTurn<'_, S::Input, S::Output>> {
+    fn idle_turn(&self, input: &S::Input) -> Option<IdleTurn<S::Input, S::Output>> {
         let record = self.queue.hasher.hash_one(input.record());
         let mut queued = lock(&self.queue.state);
         if queued.closed || !queued.units.is_empty() {
@@ -245,13 +246,11 @@ impl<S: Statement> Batcher<S> {
         let turn = self.running.try_claim_idle()?;
         queued.held.insert(record);
         drop(queued);
-        let taken = Taken {
-            jobs: Vec::new(),
-            records: vec![record],
-            queue: &self.queue,
-        };
         Some(IdleTurn {
-            _taken: taken,
+            _held: HeldRecord {
+                queue: self.queue.clone(),
+                record,
+            },
             _turn: turn,
         })
     }
@@ -261,20 +260,29 @@ impl<S: Statement> Batcher<S> {
     async fn run_in_caller(
         &self,
         input: Arc<S::Input>,
-        idle: IdleTurn<'_, S::Input, S::Output>,
+        idle: IdleTurn<S::Input, S::Output>,
     ) -> StoreResult<S::Output> {
         self.batch_size.record(1.0);
-        let result = run_on_kept(&*self.statement, &self.kept, std::slice::from_ref(&input))
-            .await
-            .and_then(|mut outputs| match (outputs.pop(), outputs.is_empty()) {
-                (Some(output), true) => Ok(output),
+        let (statement, kept, inputs) =
+            (self.statement.clone(), self.kept.clone(), [input.clone()]);
+        // Boxed (in `RunToEnd`): the statement's future is large, and every
+        // call's future would carry its size, also the calls that queue
+        // (1,000 calls in flight took 37 instead of 21 MiB unboxed).
+        let statement = RunToEnd::new(async move {
+            let result = run_on_kept(&*statement, &kept, &inputs).await;
+            // Its record's later calls, and the next statement, may run.
+            drop(idle);
+            result
+        });
+        let result = statement.await.and_then(|mut outputs| {
+            let answered = outputs.len();
+            match (outputs.pop(), answered) {
+                (Some(output), 1) => Ok(output),
                 _ => Err(StoreError::Corrupt(format!(
-                    "a statement of one call answered {} results",
-                    outputs.len() + 1
+                    "a statement of one call answered {answered} results"
                 ))),
-            });
-        // Its record's later calls, and the next statement, may run.
-        drop(idle);
+            }
+        });
         match result {
             Err(error) if error.concerns_rows() => self.run_alone(input).await,
             result => result,
@@ -501,9 +509,59 @@ impl<I, O> Drop for Taken<'_, I, O> {
 /// A lone call's claim at rest ([`Batcher::run`]): its record is held
 /// (released first, as a worker's [`Taken`] is) and its statement counts as
 /// running, until dropped.
-struct IdleTurn<'q, I, O> {
-    _taken: Taken<'q, I, O>,
+struct IdleTurn<I, O> {
+    _held: HeldRecord<I, O>,
     _turn: Turn,
+}
+
+/// A record held by a lone call's statement, until dropped.
+struct HeldRecord<I, O> {
+    queue: Arc<Queue<I, O>>,
+    record: u64,
+}
+
+impl<I, O> Drop for HeldRecord<I, O> {
+    fn drop(&mut self) {
+        self.queue.release(&[self.record]);
+    }
+}
+
+/// A lone call's statement, run in its caller's task. When the caller's
+/// future is dropped before it ended (a deadline, a client gone), it runs
+/// to its end in a task of its own, as a worker's statement would: its
+/// turn, record and session stay held until Postgres is done with it, so a
+/// retry of the same record waits for it, its session is kept, and no more
+/// statements run at once than the workers allow.
+struct RunToEnd<T: Send + 'static>(Option<Pin<Box<dyn Future<Output = T> + Send>>>);
+
+impl<T: Send + 'static> RunToEnd<T> {
+    fn new(statement: impl Future<Output = T> + Send + 'static) -> Self {
+        Self(Some(Box::pin(statement)))
+    }
+}
+
+impl<T: Send + 'static> Future for RunToEnd<T> {
+    type Output = T;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let statement = self.0.as_mut().expect("polled after it ended");
+        let output = std::task::ready!(statement.as_mut().poll(cx));
+        self.0 = None;
+        Poll::Ready(output)
+    }
+}
+
+impl<T: Send + 'static> Drop for RunToEnd<T> {
+    fn drop(&mut self) {
+        let Some(statement) = self.0.take() else {
+            return;
+        };
+        // Outside a runtime (it is shutting down) the statement is dropped
+        // with its guards: its session is closed, as any mid-statement.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(statement);
+        }
+    }
 }
 
 /// The statements of one batcher running now, and when the latest started:
@@ -536,28 +594,38 @@ impl Running {
     /// runs or the latest started `overlap_after` ago, whichever comes
     /// first. Claiming is one step under the lock, so two waiting workers
     /// woken by the same end cannot both take the idle turn.
-    async fn claim(self: &Arc<Self>, overlap_after: Duration) -> Turn {
+    /// At most `most` statements run at once: a lone call's in its
+    /// caller's task counts as one of the workers'.
+    async fn claim(self: &Arc<Self>, overlap_after: Duration, most: usize) -> Turn {
         loop {
             // Created before the check, so an end between the two is not missed.
             let ended = self.ended.notified();
-            match self.try_claim(overlap_after) {
+            match self.try_claim(overlap_after, most) {
                 Ok(turn) => return turn,
-                Err(overlap_at) => {
+                Err(Some(overlap_at)) => {
                     let _ = tokio::time::timeout_at(overlap_at, ended).await;
                 }
+                Err(None) => ended.await,
             }
         }
     }
 
-    /// A turn now, or the time from which one may overlap the running ones.
-    /// (A turn that then finds no calls counts as a start too: it only
-    /// delays the next overlap.)
-    fn try_claim(self: &Arc<Self>, overlap_after: Duration) -> Result<Turn, Instant> {
+    /// A turn now, or the time from which one may overlap the running ones
+    /// (`None`: once one ends, `most` run). (A turn that then finds no calls
+    /// counts as a start too: it only delays the next overlap.)
+    fn try_claim(
+        self: &Arc<Self>,
+        overlap_after: Duration,
+        most: usize,
+    ) -> Result<Turn, Option<Instant>> {
         let mut state = lock(&self.state);
         let now = Instant::now();
         let overlap_at = state.latest_start + overlap_after;
+        if state.statements >= most {
+            return Err(None);
+        }
         if state.statements > 0 && now < overlap_at {
-            return Err(overlap_at);
+            return Err(Some(overlap_at));
         }
         state.statements += 1;
         state.latest_start = now;
@@ -760,7 +828,10 @@ impl<S: Statement> Worker<S> {
     async fn work(mut self) {
         let queue = self.queue.clone();
         while self.wait_for_calls().await {
-            let _turn = self.running.claim(self.settings.overlap_after).await;
+            let _turn = self
+                .running
+                .claim(self.settings.overlap_after, self.settings.workers.max(1))
+                .await;
             let mut taken = queue.take(self.settings.max_size.max(1));
             if taken.jobs.is_empty() {
                 continue; // Another worker took them, or their callers left.

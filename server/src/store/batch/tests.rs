@@ -303,8 +303,9 @@ async fn a_call_at_rest_runs_in_its_callers_task_and_the_calls_behind_it_in_a_wo
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_call_at_rest_whose_caller_left_mid_statement_gives_up_its_session_turn_and_record() {
+async fn a_call_at_rest_whose_caller_left_runs_to_its_end_holding_its_record_and_session() {
     let (batcher, fake) = one_worker(Script::Answer);
+    let start = Instant::now();
     let left = tokio::spawn({
         let batcher = batcher.clone();
         async move { batcher.run(call("key-0001")).await }
@@ -312,18 +313,54 @@ async fn a_call_at_rest_whose_caller_left_mid_statement_gives_up_its_session_tur
     tokio::time::sleep(MS).await;
     left.abort();
     let _ = left.await;
-    assert_eq!(fake.ended(), 1, "a session mid-statement is not kept");
 
-    // The turn and the record are free again: the same key runs at once.
-    let asked = Instant::now();
+    // The same key waits for the statement's end, as behind a worker's,
+    // and runs on the session it kept.
     let ran = batcher.run(call("key-0001")).await.unwrap();
-    assert_eq!(asked.elapsed(), TAKES);
+    assert_eq!(start.elapsed(), 2 * TAKES);
     assert_eq!(
         ran,
         Ran {
             statement: 2,
-            session: 2
+            session: 1
         }
+    );
+    assert_eq!(fake.ended(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_more_statements_run_at_once_than_there_are_workers_with_a_call_at_rest_among_them() {
+    let fake = Fake::new(Script::Answer, TAKES);
+    let batcher = spawn(&fake, settings(2));
+    let run = |key: &'static str| {
+        let batcher = batcher.clone();
+        tokio::spawn(async move { batcher.run(call(key)).await })
+    };
+    let start = Instant::now();
+
+    // A stuck call at rest, then a stuck one that overlaps it, then one
+    // more that a third statement would take.
+    let calls = [
+        run("key-0001-stuck"),
+        {
+            tokio::time::sleep(MS).await;
+            run("key-0002-stuck")
+        },
+        {
+            tokio::time::sleep(OVERLAP + MS).await;
+            run("key-0003")
+        },
+    ];
+    for call in calls {
+        call.await.unwrap().unwrap();
+    }
+
+    let starts: Vec<Duration> = fake.starts().iter().map(|at| *at - start).collect();
+    assert_eq!(starts[..2], [Duration::ZERO, OVERLAP]);
+    assert_eq!(
+        starts[2],
+        100 * TAKES,
+        "the third waits for the first to end"
     );
 }
 
@@ -556,9 +593,9 @@ async fn a_second_turn_comes_once_the_first_ran_overlap_after() {
     let running = Arc::new(Running::default());
     let start = Instant::now();
 
-    let _first = running.claim(OVERLAP).await;
+    let _first = running.claim(OVERLAP, 8).await;
     assert_eq!(start.elapsed(), Duration::ZERO);
-    let _second = running.claim(OVERLAP).await;
+    let _second = running.claim(OVERLAP, 8).await;
 
     assert_eq!(start.elapsed(), OVERLAP);
 }
@@ -567,11 +604,11 @@ async fn a_second_turn_comes_once_the_first_ran_overlap_after() {
 async fn a_second_turn_comes_when_the_first_ends() {
     let running = Arc::new(Running::default());
     let start = Instant::now();
-    let first = running.claim(OVERLAP).await;
+    let first = running.claim(OVERLAP, 8).await;
     let second = tokio::spawn({
         let running = running.clone();
         async move {
-            let _turn = running.claim(OVERLAP).await;
+            let _turn = running.claim(OVERLAP, 8).await;
             Instant::now()
         }
     });
@@ -586,12 +623,12 @@ async fn a_second_turn_comes_when_the_first_ends() {
 async fn two_waiters_cannot_both_take_the_idle_turn() {
     let running = Arc::new(Running::default());
     let start = Instant::now();
-    let first = running.claim(OVERLAP).await;
+    let first = running.claim(OVERLAP, 8).await;
     let waiters: Vec<_> = (0..2)
         .map(|_| {
             let running = running.clone();
             tokio::spawn(async move {
-                let _turn = running.claim(OVERLAP).await;
+                let _turn = running.claim(OVERLAP, 8).await;
                 let claimed = Instant::now();
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 claimed
@@ -785,6 +822,24 @@ async fn a_statement_failing_for_a_bug_runs_each_call_again_on_its_own() {
         ]
     );
     assert!(fake.alone().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_batch_answering_too_few_results_fails_its_calls() {
+    let (batcher, _fake) = one_worker(Script::AnswerNothing);
+
+    let (first, behind) = tokio::join!(batcher.run(call("key-0000")), async {
+        tokio::time::sleep(MS).await;
+        join_all(["key-0001", "key-0002"].map(|key| batcher.run(call(key)))).await
+    });
+
+    assert!(matches!(first, Err(StoreError::Corrupt(_))), "{first:?}");
+    assert!(
+        behind
+            .iter()
+            .all(|answer| matches!(answer, Err(StoreError::Corrupt(_)))),
+        "{behind:?}"
+    );
 }
 
 #[tokio::test(start_paused = true)]
