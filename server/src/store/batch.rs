@@ -42,10 +42,11 @@
 //! their own, while the worker takes the next batch. A call whose caller has
 //! gone (its reply receiver dropped, e.g. past its deadline) is not run.
 //!
-//! The parts: callers push onto a [`Queue`]; each [`Worker`] waits for
-//! calls, then for its turn to run a statement ([`Running`]), takes a batch
-//! from what is queued then, runs it, and answers each caller. No lock is
-//! held across an await.
+//! The parts: callers push onto a [`Queue`], or at rest run their statement
+//! themselves ([`Batcher::run`]); each [`Worker`] waits for calls, then for
+//! its turn to run a statement ([`Running`]), takes a batch from what is
+//! queued then, runs it, and answers each caller. No lock is held across an
+//! await.
 
 use std::{
     collections::{HashSet, VecDeque},
@@ -243,7 +244,8 @@ impl<S: Statement> Batcher<S> {
         if queued.closed || !queued.units.is_empty() {
             return None;
         }
-        let turn = self.running.try_claim_idle()?;
+        // At most one statement: only when none runs.
+        let turn = self.running.try_claim(Duration::ZERO, 1).ok()?;
         queued.held.insert(record);
         drop(queued);
         Some(IdleTurn {
@@ -631,17 +633,6 @@ impl Running {
         state.latest_start = now;
         Ok(Turn(self.clone()))
     }
-
-    /// A turn now, only when no statement runs.
-    fn try_claim_idle(self: &Arc<Self>) -> Option<Turn> {
-        let mut state = lock(&self.state);
-        if state.statements > 0 {
-            return None;
-        }
-        state.statements += 1;
-        state.latest_start = Instant::now();
-        Some(Turn(self.clone()))
-    }
 }
 
 /// Counts a statement as running until dropped.
@@ -656,7 +647,8 @@ impl Drop for Turn {
 
 /// Sessions kept between statements: the idle ones, the one used last on
 /// top. A statement takes one and puts it back when it succeeded, so at
-/// most one per worker (and per lone call in its caller's task) exists.
+/// most one per worker exists (a lone call's statement in its caller's task
+/// counts as one of theirs: [`Running::claim`]).
 /// Sessions that are due (see [`Kept::expire`]) are given back: dropped,
 /// outside the lock.
 pub struct Kept<S> {

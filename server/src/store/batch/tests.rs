@@ -236,6 +236,12 @@ fn one_worker(script: Script) -> (Tested, Arc<Fake>) {
     (spawn(&fake, settings(1)), fake)
 }
 
+/// Runs a call for `key` in a task of its own, which a test may abort.
+fn run_in_task(batcher: &Tested, key: &'static str) -> tokio::task::JoinHandle<StoreResult<Ran>> {
+    let batcher = batcher.clone();
+    tokio::spawn(async move { batcher.run(call(key)).await })
+}
+
 /// Runs a call for `first` and, once its statement runs, calls for `keys`,
 /// which so queue behind it; returns the answers to `keys`, in order.
 async fn run_behind_first(batcher: &Tested, first: &str, keys: &[&str]) -> Vec<StoreResult<Ran>> {
@@ -274,10 +280,7 @@ async fn a_lone_call_runs_at_once() {
 async fn a_call_at_rest_runs_in_its_callers_task_and_the_calls_behind_it_in_a_worker() {
     let fake = Fake::new(Script::Answer, TAKES);
     let batcher = spawn(&fake, settings(2));
-    let run = |key: &'static str| {
-        let batcher = batcher.clone();
-        tokio::spawn(async move { batcher.run(call(key)).await })
-    };
+    let run = |key| run_in_task(&batcher, key);
 
     let first = run("key-0001");
     tokio::time::sleep(MS).await;
@@ -306,10 +309,7 @@ async fn a_call_at_rest_runs_in_its_callers_task_and_the_calls_behind_it_in_a_wo
 async fn a_call_at_rest_whose_caller_left_runs_to_its_end_holding_its_record_and_session() {
     let (batcher, fake) = one_worker(Script::Answer);
     let start = Instant::now();
-    let left = tokio::spawn({
-        let batcher = batcher.clone();
-        async move { batcher.run(call("key-0001")).await }
-    });
+    let left = run_in_task(&batcher, "key-0001");
     tokio::time::sleep(MS).await;
     left.abort();
     let _ = left.await;
@@ -332,10 +332,7 @@ async fn a_call_at_rest_whose_caller_left_runs_to_its_end_holding_its_record_and
 async fn no_more_statements_run_at_once_than_there_are_workers_with_a_call_at_rest_among_them() {
     let fake = Fake::new(Script::Answer, TAKES);
     let batcher = spawn(&fake, settings(2));
-    let run = |key: &'static str| {
-        let batcher = batcher.clone();
-        tokio::spawn(async move { batcher.run(call(key)).await })
-    };
+    let run = |key| run_in_task(&batcher, key);
     let start = Instant::now();
 
     // A stuck call at rest, then a stuck one that overlaps it, then one
@@ -856,10 +853,7 @@ async fn a_statement_answering_too_few_results_fails_its_calls() {
 #[tokio::test(start_paused = true)]
 async fn a_call_whose_caller_left_while_it_queued_is_not_run() {
     let (batcher, fake) = one_worker(Script::Answer);
-    let run = |key: &'static str| {
-        let batcher = batcher.clone();
-        tokio::spawn(async move { batcher.run(call(key)).await })
-    };
+    let run = |key| run_in_task(&batcher, key);
     // The first statement runs; the next calls queue.
     let first = run("key-0001");
     tokio::time::sleep(MS).await;
@@ -877,15 +871,9 @@ async fn a_call_whose_caller_left_while_it_queued_is_not_run() {
 #[tokio::test(start_paused = true)]
 async fn a_batch_whose_callers_all_left_runs_no_statement() {
     let (batcher, fake) = one_worker(Script::Answer);
-    let first = tokio::spawn({
-        let batcher = batcher.clone();
-        async move { batcher.run(call("key-0001")).await }
-    });
+    let first = run_in_task(&batcher, "key-0001");
     tokio::time::sleep(MS).await;
-    let left = tokio::spawn({
-        let batcher = batcher.clone();
-        async move { batcher.run(call("key-0002")).await }
-    });
+    let left = run_in_task(&batcher, "key-0002");
     tokio::time::sleep(MS).await;
 
     left.abort();
