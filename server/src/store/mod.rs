@@ -43,6 +43,7 @@ pub mod admin;
 pub mod batch;
 pub mod reaper;
 mod records;
+mod replay_share;
 mod statements;
 pub mod stats;
 
@@ -253,6 +254,8 @@ pub struct Store {
     db: Db,
     /// Group commit for Acquire and Complete/Fail; `None`: one statement per call.
     batchers: Option<Arc<records::Batchers>>,
+    /// How often lone Acquires find their key, which chooses their statement.
+    replays: Arc<replay_share::ReplayShare>,
 }
 
 /// The pool, and how long to wait for a statement's answer on its
@@ -442,6 +445,7 @@ impl Store {
         Self {
             db: Db::new(pool),
             batchers: None,
+            replays: Arc::default(),
         }
     }
 
@@ -449,14 +453,29 @@ impl Store {
     /// share statements (see [`batch`]).
     pub fn with_batching(pool: PgPool, settings: batch::BatchSettings) -> Self {
         let db = Db::new(pool);
+        let replays = Arc::<replay_share::ReplayShare>::default();
         Self {
-            batchers: Some(Arc::new(records::Batchers::spawn(&db, settings))),
+            batchers: Some(Arc::new(records::Batchers::spawn(
+                &db,
+                settings,
+                replays.clone(),
+            ))),
             db,
+            replays,
         }
     }
 
     pub fn pool(&self) -> &PgPool {
         &self.db.pool
+    }
+
+    /// Whether an Acquire alone in its statement reads its key before it
+    /// inserts, as it does once lone Acquires lately found their key more
+    /// often than about a quarter of the time (a replay, a duplicate), or
+    /// inserts first, as for new keys. Both answer the same; they differ in
+    /// cost (see `docs/performance.md`).
+    pub fn reads_first(&self) -> bool {
+        self.replays.read_first()
     }
 
     /// Reads a record, expired or not, with the database's `now()`.

@@ -10,6 +10,7 @@ use futures_util::future::join_all;
 use super::{
     AcquiredRow, Connection, Db, RecordRow, Store, StoreError, StoreResult,
     batch::{BatchSettings, Batchable, Batcher, Kept, Statement},
+    replay_share::ReplayShare,
     statements::{self, RowWait},
 };
 use crate::{
@@ -69,7 +70,7 @@ impl Store {
             Some(batchers) => batchers.acquire.run(input).await,
             // Boxed: without batching the hot path is a statement per call
             // anyway, and the batched path's futures stay small.
-            None => Box::pin(insert_or_read_alone(&self.db, input)).await,
+            None => Box::pin(insert_or_read_alone(&self.db, &self.replays, input)).await,
         }
     }
 
@@ -85,7 +86,7 @@ impl Store {
             None => {
                 let each = inputs
                     .into_iter()
-                    .map(|input| Box::pin(insert_or_read_alone(&self.db, input)));
+                    .map(|input| Box::pin(insert_or_read_alone(&self.db, &self.replays, input)));
                 join_all(each).await
             }
         }
@@ -128,10 +129,15 @@ impl Store {
 }
 
 /// One insert-or-read on a connection of its own, that may wait for its row.
-async fn insert_or_read_alone(db: &Db, input: Arc<AcquireInput>) -> StoreResult<AcquireAttempt> {
+async fn insert_or_read_alone(
+    db: &Db,
+    replays: &ReplayShare,
+    input: Arc<AcquireInput>,
+) -> StoreResult<AcquireAttempt> {
     let _timer = query::ACQUIRE.timer();
     let mut connection = db.connection().await?;
-    let attempts = statements::insert_or_read(&mut connection, &[input], RowWait::Full).await?;
+    let attempts =
+        statements::insert_or_read(&mut connection, &[input], RowWait::Full, replays).await?;
     single(attempts)
 }
 
@@ -161,10 +167,14 @@ impl Batchers {
     /// Postgres backend, as a hand-written service's would (two backends
     /// taking turns, each idle while the other runs, cost about 20 µs more
     /// per pair at one caller, `docs/performance.md`).
-    pub(super) fn spawn(db: &Db, settings: BatchSettings) -> Self {
+    pub(super) fn spawn(db: &Db, settings: BatchSettings, replays: Arc<ReplayShare>) -> Self {
         let kept = Arc::new(Kept::default());
+        let acquires = Acquires {
+            db: db.clone(),
+            replays,
+        };
         Self {
-            acquire: Batcher::spawn("acquire", settings, Acquires(db.clone()), kept.clone()),
+            acquire: Batcher::spawn("acquire", settings, acquires, kept.clone()),
             finish: Batcher::spawn("finish", settings, Finishes(db.clone()), kept),
         }
     }
@@ -181,7 +191,11 @@ impl BatchSettings {
 /// Acquire's insert-or-read, for its batcher. Its statements wait for a
 /// held row only [`statements::BATCH_ROW_WAIT`]; the time they take counts the wait for
 /// a connection too, as every statement's does.
-struct Acquires(Db);
+struct Acquires {
+    db: Db,
+    /// What lone calls found lately, the store's (see [`ReplayShare`]).
+    replays: Arc<ReplayShare>,
+}
 
 impl Statement for Acquires {
     type Input = AcquireInput;
@@ -194,12 +208,12 @@ impl Statement for Acquires {
         inputs: &[Arc<AcquireInput>],
     ) -> StoreResult<Vec<AcquireAttempt>> {
         let _timer = query::ACQUIRE.timer();
-        let connection = self.0.kept(kept).await?;
-        statements::insert_or_read(connection, inputs, RowWait::Brief).await
+        let connection = self.db.kept(kept).await?;
+        statements::insert_or_read(connection, inputs, RowWait::Brief, &self.replays).await
     }
 
     async fn run_alone(&self, input: Arc<AcquireInput>) -> StoreResult<AcquireAttempt> {
-        insert_or_read_alone(&self.0, input).await
+        insert_or_read_alone(&self.db, &self.replays, input).await
     }
 }
 

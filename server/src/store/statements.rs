@@ -1,6 +1,8 @@
 //! The hot path's SQL: Acquire's insert-or-read and takeover, and Complete /
 //! terminal Fail. Each is one round trip on the connection it is given (a
-//! kept one, which the batchers share, or one of the call's own). The SQL stays beside
+//! kept one, which the batchers share, or one of the call's own), but for a
+//! lone Acquire of an existing key that inserts first (see
+//! [`insert_or_read_one`]). The SQL stays beside
 //! the code that binds its `$n` and reads its rows, with the reasons for
 //! each clause.
 //!
@@ -21,6 +23,7 @@ use sqlx::{Postgres, postgres::PgArguments, query::QueryAs, types::Json};
 use super::{
     AcquiredRow, Connection, RecordRow, StoreResult, interval,
     records::{AcquireAttempt, AcquireInput, FinishInput},
+    replay_share::ReplayShare,
     status, token,
 };
 use crate::domain::{RecordId, Timestamp};
@@ -104,16 +107,20 @@ struct AttemptRow {
     record: RecordRow,
 }
 
-/// Creates each input's record, or reads it when it exists: one round trip,
-/// and no write at all for an existing record. Answers in input order.
+/// Creates each input's record, or reads it when it exists: one round trip
+/// (but see [`insert_or_read_one`]), and no write at all for an existing
+/// record. Answers in input order.
 /// (Mostly one SQL statement and the reasons for it.)
 pub(super) async fn insert_or_read(
     connection: &mut Connection,
     inputs: &[Arc<AcquireInput>],
     wait: RowWait,
+    replays: &ReplayShare,
 ) -> StoreResult<Vec<AcquireAttempt>> {
     if let [input] = inputs {
-        return Ok(vec![insert_or_read_one(connection, input, wait).await?]);
+        return Ok(vec![
+            insert_or_read_one(connection, input, wait, replays).await?,
+        ]);
     }
     // The insert skips existing keys without locking or writing them; the
     // second branch reads those with the statement's snapshot, which cannot
@@ -185,12 +192,34 @@ const INSERT_OR_READ: &str = "
                               = (i.namespace, i.operation, i.subject, i.key))";
 
 /// [`insert_or_read`] for one call (a call alone, a batch of one: every call
-/// at low load). A plain insert, as a hand-written service would write it:
-/// for a row of its own, `INSERT_OR_READ`'s CTEs and read-back cost Postgres
-/// about 0.1 ms more per new-key pair (pgbench, `docs/performance.md`). Only
-/// when it inserts nothing, the key exists and a second round trip reads it:
-/// a replay that the replay cache did not answer, or a duplicate.
+/// at low load), without the arrays: for a row of its own, `INSERT_OR_READ`'s
+/// CTEs and read-back cost Postgres about 0.1 ms more per new-key pair
+/// (pgbench, `docs/performance.md`). Of two statements, the one cheaper for
+/// what most lone calls lately found ([`ReplayShare`]): a plain insert,
+/// then a read only when the key exists; or a read, then an insert only
+/// when it does not.
 async fn insert_or_read_one(
+    connection: &mut Connection,
+    input: &AcquireInput,
+    wait: RowWait,
+    replays: &ReplayShare,
+) -> StoreResult<AcquireAttempt> {
+    let attempt = if replays.read_first() {
+        read_first_one(connection, input, wait).await?
+    } else {
+        insert_first_one(connection, input, wait).await?
+    };
+    match &attempt {
+        AcquireAttempt::Inserted(_) => replays.observe(false),
+        AcquireAttempt::Existing(_) => replays.observe(true),
+        AcquireAttempt::Raced => {}
+    }
+    Ok(attempt)
+}
+
+/// A plain insert, as a hand-written service would write it. Only when it
+/// inserts nothing, the key exists and a second round trip reads it.
+async fn insert_first_one(
     connection: &mut Connection,
     input: &AcquireInput,
     wait: RowWait,
@@ -228,6 +257,55 @@ async fn insert_or_read_one(
     // it, expired): the caller asks again, as after any race.
     Ok(match read(connection, &input.id).await? {
         Some(row) => AcquireAttempt::Existing(row),
+        None => AcquireAttempt::Raced,
+    })
+}
+
+/// One statement: the key's record as read, or the record inserted when the
+/// read found none. No write at all for an existing key, whose read is the
+/// only work (a replay, a duplicate); a new key pays the read's index probe
+/// and the CTEs beside the insert.
+async fn read_first_one(
+    connection: &mut Connection,
+    input: &AcquireInput,
+    wait: RowWait,
+) -> StoreResult<AcquireAttempt> {
+    // Both CTEs see the statement's snapshot. A key another transaction
+    // inserted after it is neither read nor inserted (the insert waits for
+    // that transaction when it is still running, then skips the key): no
+    // row, `Raced`, and the caller asks again. `$8` sets `lock_timeout`
+    // before the insert can wait (see `insert_first_one`); the insert's
+    // filter stops at `NOT EXISTS` for an existing key, which waits for
+    // nothing.
+    const READ_FIRST_ONE: &str = "
+        WITH existing AS (
+            SELECT state, fingerprint, fencing_token, created_at, expires_at, lease_expires_at,
+                   completed_at, response_status, response_body, response_headers
+            FROM idempotency_records
+            WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
+        ), inserted AS (
+            INSERT INTO idempotency_records
+                (namespace, operation, subject, key, state, fingerprint, fencing_token,
+                 created_at, expires_at, lease_expires_at)
+            SELECT $1, $2, $3, $4, 'in_progress', $5, idempotency_lifetime_token(),
+                   now(), now() + greatest($6::interval, $7::interval), now() + $7::interval
+            WHERE NOT EXISTS (SELECT 1 FROM existing)
+              AND set_config('lock_timeout', coalesce($8, current_setting('lock_timeout')), true)
+                  IS NOT NULL
+            ON CONFLICT (namespace, operation, subject, key) DO NOTHING
+            RETURNING state, fingerprint, fencing_token, created_at, expires_at, lease_expires_at,
+                      completed_at, response_status, response_body, response_headers
+        )
+        SELECT 1::int8 AS ord, true AS inserted, *, now() AS db_now FROM inserted
+        UNION ALL
+        SELECT 1, false, *, now() FROM existing";
+    let query = bind_acquire(sqlx::query_as::<_, AttemptRow>(READ_FIRST_ONE), input)
+        .bind(wait.lock_timeout());
+    let row = connection
+        .run(|connection| query.fetch_optional(connection))
+        .await?;
+    Ok(match row {
+        Some(row) => attempt(row),
         None => AcquireAttempt::Raced,
     })
 }
@@ -275,17 +353,22 @@ fn attempts(rows: Vec<AttemptRow>, order: &KeyOrder, inputs: usize) -> Vec<Acqui
         let Some(slot) = order.input(row.ord).and_then(|i| attempts.get_mut(i)) else {
             continue;
         };
-        *slot = if row.inserted {
-            AcquireAttempt::Inserted(AcquiredRow::inserted(
-                row.record.fencing_token,
-                row.record.lease_expires_at.unwrap_or(row.record.db_now),
-                row.record.expires_at,
-            ))
-        } else {
-            AcquireAttempt::Existing(row.record)
-        };
+        *slot = attempt(row);
     }
     attempts
+}
+
+/// An input's attempt, from its row.
+fn attempt(row: AttemptRow) -> AcquireAttempt {
+    if row.inserted {
+        AcquireAttempt::Inserted(AcquiredRow::inserted(
+            row.record.fencing_token,
+            row.record.lease_expires_at.unwrap_or(row.record.db_now),
+            row.record.expires_at,
+        ))
+    } else {
+        AcquireAttempt::Existing(row.record)
+    }
 }
 
 /// Moves each input's live in-progress record, held with its token, to

@@ -18,6 +18,7 @@ mod observability;
 mod outage;
 mod plans;
 mod race;
+mod read_first;
 mod reaper;
 mod replay_cache;
 mod replicas;

@@ -61,6 +61,18 @@ async fn sixty_four_concurrent_acquires_over_two_replicas_give_exactly_one_holde
     one_holder_then_identical_replays(&Replicas::start(2, &["--batching", "false"]).await).await;
 }
 
+/// Without the replay cache each round's replays read the key in Postgres,
+/// which turns the server's lone Acquires to reading the key before
+/// inserting it (`Store::reads_first`; so do the callers told a key is in
+/// progress): the rounds after the first race on that statement, each
+/// caller alone in its statement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_four_concurrent_acquires_give_exactly_one_holder_once_replays_turned_the_server_to_reading_first()
+ {
+    let flags = ["--replay-cache-bytes", "0", "--batching", "false"];
+    one_holder_then_identical_replays(&Replicas::start(1, &flags).await).await;
+}
+
 /// Rounds of `CALLERS` racing on a new key: one holder, every other caller
 /// told it is in progress; once it completes, every caller, on any
 /// replica, replays its response (from the database or a replay cache).
