@@ -5,11 +5,14 @@ pgbench and the service. Standard library only.
   budget_report.py C WORK PG_INSERT PG_UPDATE PG_WAL SV_ACQUIRE SV_FINISH SV_WAL
   budget_report.py --floors C WORK PG_SELECT PG_SHAPE SV_REPLAY SV_READ
   budget_report.py --pairs C WORK
+  budget_report.py --driver WORK
 
 Statement figures are "calls|exec ms|plan ms", WAL figures "flushes|flush ms".
 The second form prints the round trips with nothing behind them and the
 replays through Postgres, the third new-key pairs against the floor
-(idempotency-bench --serve-floor) beside the server's and pgbench's.
+(idempotency-bench --serve-floor) beside the server's and pgbench's, the
+fourth pgbench's pair and primary-key SELECT through sqlx alone
+(idempotency-bench --driver-floor) beside pgbench's.
 """
 
 import json
@@ -151,7 +154,8 @@ def floors(argv):
     print(f"| in the server, not in its statement | - | - | {us(req - st if req and st else None)} |")
     print(f"| the statement, commit included | {us(select_call)} | {us(shape_call)} | {us(st)} |")
     # A replay alone is two statements, the insert that finds the key and
-    # the read: their execution per replay.
+    # the read, or one that reads first (matched as an insert: it holds
+    # one): their execution per replay.
     replay_exec = ((sv_replay[1] + sv_read[1]) / sv_replay[0] * 1000) if sv_replay[0] else None
     print(f"| of which Postgres execution | {us(per_call(pg_select)[0])} | {us(per_call(pg_shape)[0])} "
           f"| {us(replay_exec)} |")
@@ -181,8 +185,23 @@ def pairs(argv):
               f"| {us(mean - pg)} | {us(cpu)} |")
 
 
+def driver(argv):
+    work = argv[1]
+    pg = {"pair": float(open(f"{work}/pair-pg.txt").read()),
+          "select": float(open(f"{work}/replay-pg.txt").read())}
+    print("\n1 callers: pgbench's statements through sqlx alone (one connection, one at a time)")
+    print()
+    print("| µs | pgbench, mean | sqlx alone, mean | sqlx alone, p50 |")
+    print("|---|---:|---:|---:|")
+    for label, name in [("the new-key pair", "pair"), ("the primary-key SELECT", "select")]:
+        r = json.load(open(f"{work}/driver-{name}.json"))
+        print(f"| {label} | {us(pg[name])} | {us(r['latency_us']['mean'])} | {us(r['latency_us']['p50'])} |")
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "--floors":
+    if sys.argv[1] == "--driver":
+        driver(sys.argv[1:])
+    elif sys.argv[1] == "--floors":
         floors(sys.argv[1:])
     elif sys.argv[1] == "--pairs":
         pairs(sys.argv[1:])

@@ -27,6 +27,8 @@
 # 0) beside pgbench's primary-key SELECT (replay.sql) and beside pgbench
 # running the service's own Acquire statement (acquire_replay.sql): what the
 # statement's shape costs in Postgres, and what the server adds to it.
+# At one caller, last, pgbench's pair and SELECT through sqlx alone
+# (`idempotency-bench --driver-floor`): the driver's floor per statement.
 # The server and the load generator run one thread each, as in make bench.
 # docs/performance.md, "Where a call's time goes at low load", reads these.
 set -euo pipefail
@@ -176,7 +178,21 @@ for c in $concurrencies; do
   service_run "$uncached_port" replay "$c" --key-prefix budget --keys "$keys" --skip-prepare \
     --server-pid "$uncached_pid" >"$work/replay-service.json"
   metrics "$uncached_metrics_port" >"$work/after.prom"
-  # A call alone: the plain insert, then the read of the key it found.
+  # A call alone: the plain insert, then the read of the key it found; or,
+  # once replays turned the server to reading first, one statement that
+  # reads (its text begins `WITH existing AS (SELECT ...`, an insert in it).
   sv_replay=$(statements 'INSERT INTO idempotency_records') sv_read=$(statements '^\s*SELECT state, fingerprint')
   python3 bench/budget_report.py --floors "$c" "$work" "$pg_select" "$pg_shape" "$sv_replay" "$sv_read"
+
+  if [ "$c" = 1 ]; then
+    # pgbench's statements through sqlx alone (idempotency-bench
+    # --driver-floor), one at a time on one connection: what the driver and
+    # tokio cost per statement beside pgbench's libpq, with no gRPC between.
+    say "1 callers: pgbench's statements through sqlx alone, ${floor_seconds}s each"
+    for what in pair select; do
+      PGOPTIONS="$serving_options" "$bench_bin" --driver-floor "$what" --keys "$keys" --threads 1 \
+        --duration "${floor_seconds}s" --warmup 1s >"$work/driver-$what.json"
+    done
+    python3 bench/budget_report.py --driver "$work"
+  fi
 done

@@ -26,7 +26,7 @@ use tonic::{Request, Response, Status};
 
 /// pgbench's INSERT, with the key and fingerprint as parameters and the
 /// lease and expiry read back, as an Acquire answers them.
-const INSERT: &str = "
+pub(crate) const INSERT: &str = "
     INSERT INTO idempotency_records
         (namespace, operation, subject, key, state, fingerprint, fencing_token,
          created_at, expires_at, lease_expires_at)
@@ -36,7 +36,7 @@ const INSERT: &str = "
     RETURNING fencing_token, lease_expires_at, expires_at";
 
 /// pgbench's UPDATE, with the response as parameters.
-const UPDATE: &str = "
+pub(crate) const UPDATE: &str = "
     UPDATE idempotency_records
     SET state = 'completed', lease_expires_at = NULL, completed_at = now(),
         response_status = $6, response_body = $7, response_headers = $8

@@ -28,6 +28,7 @@
 //! keys, tokens and policy for a server to match ([`auth_files`]).
 
 mod auth_files;
+mod driver;
 mod floor;
 mod stats;
 
@@ -231,6 +232,18 @@ struct Cli {
     /// alone (`floor.rs`), the least a gRPC service over Postgres can cost.
     #[arg(long, value_name = "ADDR", conflicts_with = "serve_health")]
     serve_floor: Option<std::net::SocketAddr>,
+    /// Run pgbench's statements through sqlx alone on DATABASE_URL, one at
+    /// a time on one connection, for --warmup and then --duration, and
+    /// print one JSON object (`driver.rs`): `select`, the primary-key read
+    /// of replay.sql (--keys of replay_keys.sql, 1000 by default), or
+    /// `pair`, the new-key pair of new_key_pair.sql. The driver's floor
+    /// under every statement of the server.
+    #[arg(long, value_name = "WORK", conflicts_with_all = ["serve_health", "serve_floor"])]
+    driver_floor: Option<driver::Work>,
+    /// --driver-floor: idle time before each operation, not timed (the gap
+    /// between a service's statements while its caller's call crosses gRPC).
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+    driver_pause: Duration,
     /// --serve-health, --serve-floor: how long to serve.
     #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
     serve_for: Duration,
@@ -580,6 +593,21 @@ fn main() -> anyhow::Result<()> {
         .build()
         .context("starting the runtime")?
         .block_on(async {
+            if let Some(work) = cli.driver_floor {
+                let database = std::env::var("DATABASE_URL")
+                    .context("--driver-floor needs DATABASE_URL")?
+                    .parse()
+                    .context("DATABASE_URL")?;
+                let settings = driver::Settings {
+                    work,
+                    keys: cli.keys.unwrap_or(1000),
+                    warmup: cli.warmup,
+                    duration: cli.duration,
+                    pause: cli.driver_pause,
+                };
+                // On a worker thread, as the server's statements run.
+                return tokio::spawn(driver::run(database, settings)).await?;
+            }
             if let Some(addr) = cli.serve_floor {
                 let database = std::env::var("DATABASE_URL")
                     .context("--serve-floor needs DATABASE_URL")?
