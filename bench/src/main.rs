@@ -242,7 +242,8 @@ struct Cli {
     driver_floor: Option<driver::Work>,
     /// --driver-floor: idle time before each operation, not timed (the gap
     /// between a service's statements while its caller's call crosses gRPC).
-    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration,
+          requires = "driver_floor")]
     driver_pause: Duration,
     /// --serve-health, --serve-floor: how long to serve.
     #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]

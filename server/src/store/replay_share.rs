@@ -12,7 +12,7 @@
 //!   that probe and the statement's CTEs.
 //!
 //! Measured on this machine (`docs/performance.md`, "Reading first when
-//! most keys exist"): reading first takes about 0.1 ms off a replay through
+//! many keys exist"): reading first takes about 0.1 ms off a replay through
 //! Postgres and adds up to about 0.03 ms to a new key. Reading first pays
 //! once more than about a fifth of lone Acquires find their key: a
 //! deployment whose replays miss the replay cache (several replicas, a

@@ -195,7 +195,7 @@ const INSERT_OR_READ: &str = "
 /// at low load), without the arrays: for a row of its own, `INSERT_OR_READ`'s
 /// CTEs and read-back cost Postgres about 0.1 ms more per new-key pair
 /// (pgbench, `docs/performance.md`). Of two statements, the one cheaper for
-/// what most lone calls lately found ([`ReplayShare`]): a plain insert,
+/// what lone calls lately found ([`ReplayShare`]): a plain insert,
 /// then a read only when the key exists; or a read, then an insert only
 /// when it does not.
 async fn insert_or_read_one(

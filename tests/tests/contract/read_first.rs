@@ -1,6 +1,6 @@
-//! An Acquire alone in its statement reads its key first once most lone
-//! Acquires lately found their key (replays that missed the replay cache),
-//! and inserts first otherwise. Both statements must answer alike: a new key
+//! An Acquire alone in its statement reads its key first once more than
+//! about a quarter of lone Acquires lately found their key (replays that
+//! missed the replay cache, duplicates), and inserts first otherwise. Both statements must answer alike: a new key
 //! is created, an existing one read and left unwritten, a key another
 //! transaction creates meanwhile is asked for again, and of concurrent
 //! callers of one key exactly one creates it. The store on a real Postgres,
@@ -59,6 +59,13 @@ async fn store_in(db: &TestDb, mode: Mode, batching: bool) -> Store {
     store
 }
 
+/// `store.insert_or_read`, checking first that the store is in `mode`.
+async fn acquire_in(store: &Store, mode: Mode, input: Arc<AcquireInput>) -> AcquireAttempt {
+    let reads_first = matches!(mode, Mode::ReadFirst);
+    assert_eq!(store.reads_first(), reads_first, "the store left {mode:?}");
+    store.insert_or_read(input).await.unwrap()
+}
+
 fn inserted(attempt: AcquireAttempt) -> u64 {
     match attempt {
         AcquireAttempt::Inserted(row) => row.fencing_token(),
@@ -88,7 +95,7 @@ async fn answers_alike(mode: Mode) {
 
     // A new key is created, in progress, under the token returned.
     let key = unique_key("new");
-    let token = inserted(store.insert_or_read(input(&key)).await.unwrap());
+    let token = inserted(acquire_in(&store, mode, input(&key)).await);
     let (state, stored_token): (String, i64) =
         sqlx::query_as("SELECT state, fencing_token FROM idempotency_records WHERE key = $1")
             .bind(&key)
@@ -102,7 +109,7 @@ async fn answers_alike(mode: Mode) {
 
     // In progress: read, not written.
     let version = row_version(&db, &key).await;
-    let row = existing_row(store.insert_or_read(input(&key)).await.unwrap());
+    let row = existing_row(acquire_in(&store, mode, input(&key)).await);
     assert_eq!(
         (row.state.as_str(), row.fencing_token as u64),
         ("in_progress", token)
@@ -123,7 +130,7 @@ async fn answers_alike(mode: Mode) {
     });
     assert!(store.finish(finish).await.unwrap().is_some());
     let version = row_version(&db, &key).await;
-    let row = existing_row(store.insert_or_read(input(&key)).await.unwrap());
+    let row = existing_row(acquire_in(&store, mode, input(&key)).await);
     assert_eq!(row.state, "completed");
     assert_eq!(row.response().unwrap(), Some(response));
     assert_eq!(row_version(&db, &key).await, version, "{mode:?}");
@@ -143,7 +150,7 @@ async fn answers_alike(mode: Mode) {
     .await
     .unwrap();
     let version = row_version(&db, &expired).await;
-    let row = existing_row(store.insert_or_read(input(&expired)).await.unwrap());
+    let row = existing_row(acquire_in(&store, mode, input(&expired)).await);
     assert!(row.is_expired(), "{row:?}");
     assert_eq!(row_version(&db, &expired).await, version, "{mode:?}");
 }
