@@ -191,6 +191,29 @@ const INSERT_OR_READ: &str = "
                           WHERE (x.namespace, x.operation, x.subject, x.key)
                               = (i.namespace, i.operation, i.subject, i.key))";
 
+/// A record's columns as [`RecordRow`] reads them, `db_now` aside: one list
+/// for every statement here that reads a whole record.
+macro_rules! record_columns {
+    () => {
+        "state, fingerprint, fencing_token, created_at, expires_at, lease_expires_at,
+               completed_at, response_status, response_body, response_headers"
+    };
+}
+
+/// A lone Acquire's insert of its new record, `$1`..`$7` as
+/// [`bind_acquire`] binds them: one text for both of its statements
+/// ([`insert_first_one`], [`read_first_one`]), which must create the same
+/// record whichever runs.
+macro_rules! insert_one {
+    () => {
+        "INSERT INTO idempotency_records
+            (namespace, operation, subject, key, state, fingerprint, fencing_token,
+             created_at, expires_at, lease_expires_at)
+        SELECT $1, $2, $3, $4, 'in_progress', $5, idempotency_lifetime_token(),
+               now(), now() + greatest($6::interval, $7::interval), now() + $7::interval"
+    };
+}
+
 /// [`insert_or_read`] for one call (a call alone, a batch of one: every call
 /// at low load), without the arrays: for a row of its own, `INSERT_OR_READ`'s
 /// CTEs and read-back cost Postgres about 0.1 ms more per new-key pair
@@ -228,16 +251,14 @@ async fn insert_first_one(
     // wait: the SELECT's filter runs before its row reaches the insert,
     // which may wait for another transaction that inserted or deleted the
     // key (see `insert_or_read`). NULL keeps the session's setting.
-    const INSERT_ONE: &str = "
-        INSERT INTO idempotency_records
-            (namespace, operation, subject, key, state, fingerprint, fencing_token,
-             created_at, expires_at, lease_expires_at)
-        SELECT $1, $2, $3, $4, 'in_progress', $5, idempotency_lifetime_token(),
-               now(), now() + greatest($6::interval, $7::interval), now() + $7::interval
+    const INSERT_ONE: &str = concat!(
+        insert_one!(),
+        "
         WHERE set_config('lock_timeout', coalesce($8, current_setting('lock_timeout')), true)
               IS NOT NULL
         ON CONFLICT (namespace, operation, subject, key) DO NOTHING
-        RETURNING fencing_token, lease_expires_at, expires_at";
+        RETURNING fencing_token, lease_expires_at, expires_at"
+    );
     let insert = bind_acquire(
         sqlx::query_as::<_, (i64, Timestamp, Timestamp)>(INSERT_ONE),
         input,
@@ -277,28 +298,30 @@ async fn read_first_one(
     // before the insert can wait (see `insert_first_one`); the insert's
     // filter stops at `NOT EXISTS` for an existing key, which waits for
     // nothing.
-    const READ_FIRST_ONE: &str = "
+    const READ_FIRST_ONE: &str = concat!(
+        "
         WITH existing AS (
-            SELECT state, fingerprint, fencing_token, created_at, expires_at, lease_expires_at,
-                   completed_at, response_status, response_body, response_headers
+            SELECT ",
+        record_columns!(),
+        "
             FROM idempotency_records
             WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
         ), inserted AS (
-            INSERT INTO idempotency_records
-                (namespace, operation, subject, key, state, fingerprint, fencing_token,
-                 created_at, expires_at, lease_expires_at)
-            SELECT $1, $2, $3, $4, 'in_progress', $5, idempotency_lifetime_token(),
-                   now(), now() + greatest($6::interval, $7::interval), now() + $7::interval
+        ",
+        insert_one!(),
+        "
             WHERE NOT EXISTS (SELECT 1 FROM existing)
               AND set_config('lock_timeout', coalesce($8, current_setting('lock_timeout')), true)
                   IS NOT NULL
             ON CONFLICT (namespace, operation, subject, key) DO NOTHING
-            RETURNING state, fingerprint, fencing_token, created_at, expires_at, lease_expires_at,
-                      completed_at, response_status, response_body, response_headers
+            RETURNING ",
+        record_columns!(),
+        "
         )
         SELECT 1::int8 AS ord, true AS inserted, *, now() AS db_now FROM inserted
         UNION ALL
-        SELECT 1, false, *, now() FROM existing";
+        SELECT 1, false, *, now() FROM existing"
+    );
     let query = bind_acquire(sqlx::query_as::<_, AttemptRow>(READ_FIRST_ONE), input)
         .bind(wait.lock_timeout());
     let row = connection
@@ -330,11 +353,14 @@ pub(super) async fn read(
     connection: &mut Connection,
     id: &RecordId,
 ) -> StoreResult<Option<RecordRow>> {
-    const SQL: &str = "
-        SELECT state, fingerprint, fencing_token, created_at, expires_at, lease_expires_at,
-               completed_at, response_status, response_body, response_headers, now() AS db_now
+    const SQL: &str = concat!(
+        "
+        SELECT ",
+        record_columns!(),
+        ", now() AS db_now
         FROM idempotency_records
-        WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4";
+        WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4"
+    );
     let query = sqlx::query_as::<_, RecordRow>(SQL)
         .bind(id.namespace())
         .bind(id.operation())
