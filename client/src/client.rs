@@ -20,6 +20,7 @@ use crate::{
     error::{Error, is_transient},
     lease::{Acquisition, Lease},
     pb,
+    socket::TcpConnector,
     trace::{self, TraceContext},
     transport::{Stub, Transport, with_timeout},
     types::{
@@ -573,18 +574,14 @@ impl ClientBuilder {
     /// A client that connects on first use: building it never fails for an
     /// unreachable service, so a fail-open caller can start without one.
     pub fn connect_lazy(self) -> Result<Client, Error> {
-        let mut endpoints = self.build_endpoints()?;
+        let endpoints = self.build_endpoints()?;
         #[cfg(feature = "tls")]
         if let Some(connector) = self.tls_connector()? {
-            let transport = crate::tls::lazy(endpoints, &connector);
+            let transport = crate::transport::lazy(endpoints, connector);
             return Ok(self.client(transport));
         }
-        let channel = if endpoints.len() == 1 {
-            endpoints.remove(0).connect_lazy()
-        } else {
-            Channel::balance_list(endpoints.into_iter())
-        };
-        Ok(self.client(Transport::Channel(channel)))
+        let transport = crate::transport::lazy(endpoints, TcpConnector);
+        Ok(self.client(transport))
     }
 
     /// A client whose (single) endpoint answered; with several endpoints
@@ -597,11 +594,11 @@ impl ClientBuilder {
         let endpoint = endpoints.remove(0);
         #[cfg(feature = "tls")]
         let connected = match self.tls_connector()? {
-            Some(connector) => crate::tls::connect(endpoint, &connector).await,
-            None => endpoint.connect().await,
+            Some(connector) => crate::transport::connect(endpoint, connector).await,
+            None => crate::transport::connect(endpoint, TcpConnector).await,
         };
         #[cfg(not(feature = "tls"))]
-        let connected = endpoint.connect().await;
+        let connected = crate::transport::connect(endpoint, TcpConnector).await;
         let channel = connected.map_err(|error| Error::Unavailable {
             attempts: 1,
             message: format!("connecting: {}", error_chain(&error)),

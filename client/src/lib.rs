@@ -61,6 +61,7 @@ mod error;
 pub mod fingerprint;
 mod lease;
 mod run;
+mod socket;
 #[cfg(test)]
 mod testing;
 #[cfg(feature = "tls")]

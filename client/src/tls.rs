@@ -31,12 +31,11 @@ use tokio_rustls::{
     },
 };
 use tonic::{
-    body::Body,
     codegen::{Service, StdError, http},
-    transport::{Channel, Endpoint},
+    transport::Endpoint,
 };
 
-use crate::{Error, fingerprint, transport::Transport};
+use crate::{Error, fingerprint, socket::CoalescedWrites};
 
 /// Certificate files for TLS to the service, read again for each new
 /// connection: the CA that signs the service's certificate and, for mutual
@@ -102,12 +101,6 @@ impl TlsFiles {
     }
 }
 
-/// The balancer over several endpoints connecting through [`TlsFiles`].
-pub(crate) type Balanced = tower::buffer::Buffer<
-    http::Request<Body>,
-    Pin<Box<dyn Future<Output = Result<http::Response<Body>, StdError>> + Send>>,
->;
-
 /// The endpoint for `uri`, to be connected through a [`Connector`].
 ///
 /// tonic refuses an `https://` endpoint that has no TLS settings of its own,
@@ -128,43 +121,10 @@ pub(crate) fn endpoint(uri: &str) -> Result<Endpoint, Error> {
         .origin(parsed))
 }
 
-/// Channels through `connector`: one, or a balancer over several.
-pub(crate) fn lazy(mut endpoints: Vec<Endpoint>, connector: &Connector) -> Transport {
-    if endpoints.len() == 1 {
-        return Transport::Channel(
-            endpoints
-                .remove(0)
-                .connect_with_connector_lazy(connector.clone()),
-        );
-    }
-    // What `Channel::balance_list` builds (power of two choices, over lazy
-    // connections whose errors reach the calls, so none is dropped from the
-    // set), but over connections made through this connector.
-    let channels: Vec<_> = endpoints
-        .iter()
-        .map(|endpoint| {
-            tower::load::Constant::new(endpoint.connect_with_connector_lazy(connector.clone()), 0)
-        })
-        .collect();
-    let balance: tower::balance::p2c::Balance<_, http::Request<Body>> =
-        tower::balance::p2c::Balance::new(tower::discover::ServiceList::new(channels));
-    Transport::Balanced(tower::buffer::Buffer::new(
-        tower::util::BoxService::new(balance),
-        1024,
-    ))
-}
-
-/// One endpoint's channel through `connector`, connected now.
-pub(crate) async fn connect(
-    endpoint: Endpoint,
-    connector: &Connector,
-) -> Result<Channel, tonic::transport::Error> {
-    endpoint.connect_with_connector(connector.clone()).await
-}
-
 /// Connects by TCP (no delay) and makes the TLS handshake with the current
 /// files: SNI and the name checked from the endpoint's host (or
-/// [`TlsFiles::server_name`]), ALPN `h2`.
+/// [`TlsFiles::server_name`]), ALPN `h2`. A request's frames go out as one
+/// TLS record and one write ([`CoalescedWrites`]).
 #[derive(Clone)]
 pub(crate) struct Connector {
     files: Arc<Loader>,
@@ -200,7 +160,7 @@ impl Connector {
 }
 
 impl Service<http::Uri> for Connector {
-    type Response = TokioIo<TlsStream<TcpStream>>;
+    type Response = TokioIo<CoalescedWrites<TlsStream<TcpStream>>>;
     type Error = StdError;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, StdError>> + Send>>;
 
@@ -214,13 +174,13 @@ impl Service<http::Uri> for Connector {
             let host = uri.host().ok_or_else(|| format!("no host in {uri}"))?;
             // An IPv6 address comes in brackets.
             let host = host.trim_start_matches('[').trim_end_matches(']');
+            // `endpoint` made the port explicit (443 by default).
             let port = uri.port_u16().unwrap_or(443);
             let name = files.files.server_name.as_deref().unwrap_or(host);
             let server_name = ServerName::try_from(name.to_owned())
                 .map_err(|error| format!("server name {name:?}: {error}"))?;
             let config = files.config();
-            let tcp = TcpStream::connect((host, port)).await?;
-            tcp.set_nodelay(true)?;
+            let tcp = crate::socket::connect_tcp(&uri).await?;
             let tls = TlsConnector::from(config)
                 .connect(server_name, tcp)
                 .await
@@ -228,7 +188,7 @@ impl Service<http::Uri> for Connector {
             if tls.get_ref().1.alpn_protocol() != Some(b"h2") {
                 return Err(format!("{host}:{port} did not negotiate HTTP/2 (ALPN h2)").into());
             }
-            Ok(TokioIo::new(tls))
+            Ok(TokioIo::new(CoalescedWrites::new(tls)))
         })
     }
 }

@@ -15,7 +15,7 @@ use tonic::{
     body::Body,
     codegen::{Body as _, Bytes, Service, StdError, http},
     service::interceptor::InterceptedService,
-    transport::Channel,
+    transport::{Channel, Endpoint},
 };
 
 use crate::{
@@ -44,21 +44,66 @@ pub(crate) fn with_timeout<T>(
     request
 }
 
-/// A tonic channel (one endpoint, or tonic's own balancing), or with the
-/// `tls` feature the balancer over channels that connect through
-/// [`TlsFiles`](crate::TlsFiles): tonic's balancer connects only through
-/// its own connector.
+/// A tonic channel to one endpoint, or a balancer over channels to several:
+/// both connect through this crate's connectors ([`crate::socket`], and
+/// [`TlsFiles`](crate::TlsFiles)'s), which tonic's own balancer cannot use.
 #[derive(Clone)]
 pub(crate) enum Transport {
     Channel(Channel),
-    #[cfg(feature = "tls")]
-    Balanced(crate::tls::Balanced),
+    Balanced(Balanced),
+}
+
+/// The balancer over several endpoints.
+pub(crate) type Balanced = tower::buffer::Buffer<
+    Request,
+    Pin<Box<dyn Future<Output = Result<http::Response<Body>, StdError>> + Send>>,
+>;
+
+/// Channels through `connector`: one, or a balancer over several.
+pub(crate) fn lazy<C>(mut endpoints: Vec<Endpoint>, connector: C) -> Transport
+where
+    C: Service<http::Uri> + Clone + Send + 'static,
+    C::Response: hyper::rt::Read + hyper::rt::Write + Send + Unpin,
+    C::Future: Send,
+    StdError: From<C::Error> + Send,
+{
+    if endpoints.len() == 1 {
+        return Transport::Channel(endpoints.remove(0).connect_with_connector_lazy(connector));
+    }
+    // What `Channel::balance_list` builds (power of two choices, over lazy
+    // connections whose errors reach the calls, so none is dropped from the
+    // set), but over connections made through this connector.
+    let channels: Vec<_> = endpoints
+        .iter()
+        .map(|endpoint| {
+            tower::load::Constant::new(endpoint.connect_with_connector_lazy(connector.clone()), 0)
+        })
+        .collect();
+    let balance: tower::balance::p2c::Balance<_, Request> =
+        tower::balance::p2c::Balance::new(tower::discover::ServiceList::new(channels));
+    Transport::Balanced(tower::buffer::Buffer::new(
+        tower::util::BoxService::new(balance),
+        1024,
+    ))
+}
+
+/// One endpoint's channel through `connector`, connected now.
+pub(crate) async fn connect<C>(
+    endpoint: Endpoint,
+    connector: C,
+) -> Result<Channel, tonic::transport::Error>
+where
+    C: Service<http::Uri> + Send + 'static,
+    C::Response: hyper::rt::Read + hyper::rt::Write + Send + Unpin,
+    C::Future: Send,
+    StdError: From<C::Error> + Send,
+{
+    endpoint.connect_with_connector(connector).await
 }
 
 type Request = http::Request<Body>;
 type ChannelFuture = <Channel as Service<Request>>::Future;
-#[cfg(feature = "tls")]
-type BalancedFuture = <crate::tls::Balanced as Service<Request>>::Future;
+type BalancedFuture = <Balanced as Service<Request>>::Future;
 
 impl Service<Request> for Transport {
     type Response = http::Response<Body>;
@@ -68,7 +113,6 @@ impl Service<Request> for Transport {
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), StdError>> {
         match self {
             Transport::Channel(channel) => channel.poll_ready(cx).map_err(Into::into),
-            #[cfg(feature = "tls")]
             Transport::Balanced(balanced) => balanced.poll_ready(cx),
         }
     }
@@ -77,7 +121,6 @@ impl Service<Request> for Transport {
         let request = request.map(ReadAhead::body);
         match self {
             Transport::Channel(channel) => TransportFuture::Channel(channel.call(request)),
-            #[cfg(feature = "tls")]
             Transport::Balanced(balanced) => TransportFuture::Balanced(balanced.call(request)),
         }
     }
@@ -86,7 +129,6 @@ impl Service<Request> for Transport {
 /// The response future of [`Transport`]: no allocation of its own.
 pub(crate) enum TransportFuture {
     Channel(ChannelFuture),
-    #[cfg(feature = "tls")]
     Balanced(BalancedFuture),
 }
 
@@ -96,7 +138,6 @@ impl Future for TransportFuture {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.get_mut() {
             TransportFuture::Channel(future) => Pin::new(future).poll(cx).map_err(Into::into),
-            #[cfg(feature = "tls")]
             TransportFuture::Balanced(future) => Pin::new(future).poll(cx),
         }
     }
@@ -106,7 +147,6 @@ impl fmt::Debug for Transport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Transport::Channel(channel) => f.debug_tuple("Channel").field(channel).finish(),
-            #[cfg(feature = "tls")]
             Transport::Balanced(_) => f.write_str("Balanced"),
         }
     }
