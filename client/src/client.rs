@@ -563,8 +563,13 @@ impl ClientBuilder {
     fn tls_connector(&self) -> Result<Option<crate::tls::Connector>, Error> {
         self.tls_files
             .clone()
-            .map(crate::tls::Connector::new)
+            .map(|files| crate::tls::Connector::new(files, self.tcp_connector()))
             .transpose()
+    }
+
+    /// TCP to the endpoints, as tonic's own connector with these options.
+    fn tcp_connector(&self) -> TcpConnector {
+        TcpConnector::new(self.connect_timeout)
     }
 
     fn client(self, transport: Transport) -> Client {
@@ -580,7 +585,7 @@ impl ClientBuilder {
             let transport = crate::transport::lazy(endpoints, connector);
             return Ok(self.client(transport));
         }
-        let transport = crate::transport::lazy(endpoints, TcpConnector);
+        let transport = crate::transport::lazy(endpoints, self.tcp_connector());
         Ok(self.client(transport))
     }
 
@@ -595,10 +600,10 @@ impl ClientBuilder {
         #[cfg(feature = "tls")]
         let connected = match self.tls_connector()? {
             Some(connector) => crate::transport::connect(endpoint, connector).await,
-            None => crate::transport::connect(endpoint, TcpConnector).await,
+            None => crate::transport::connect(endpoint, self.tcp_connector()).await,
         };
         #[cfg(not(feature = "tls"))]
-        let connected = crate::transport::connect(endpoint, TcpConnector).await;
+        let connected = crate::transport::connect(endpoint, self.tcp_connector()).await;
         let channel = connected.map_err(|error| Error::Unavailable {
             attempts: 1,
             message: format!("connecting: {}", error_chain(&error)),

@@ -35,7 +35,10 @@ use tonic::{
     transport::Endpoint,
 };
 
-use crate::{Error, fingerprint, socket::CoalescedWrites};
+use crate::{
+    Error, fingerprint,
+    socket::{CoalescedWrites, TcpConnector},
+};
 
 /// Certificate files for TLS to the service, read again for each new
 /// connection: the CA that signs the service's certificate and, for mutual
@@ -128,6 +131,7 @@ pub(crate) fn endpoint(uri: &str) -> Result<Endpoint, Error> {
 #[derive(Clone)]
 pub(crate) struct Connector {
     files: Arc<Loader>,
+    tcp: TcpConnector,
 }
 
 impl fmt::Debug for Connector {
@@ -140,7 +144,7 @@ impl fmt::Debug for Connector {
 
 impl Connector {
     /// Reads the files once: unusable ones are a configuration error now.
-    pub(crate) fn new(files: TlsFiles) -> Result<Self, Error> {
+    pub(crate) fn new(files: TlsFiles, tcp: TcpConnector) -> Result<Self, Error> {
         let provider = CryptoProvider::get_default()
             .cloned()
             .unwrap_or_else(|| Arc::new(tokio_rustls::rustls::crypto::ring::default_provider()));
@@ -155,6 +159,7 @@ impl Connector {
                     config: Arc::new(config),
                 }),
             }),
+            tcp,
         })
     }
 }
@@ -169,7 +174,7 @@ impl Service<http::Uri> for Connector {
     }
 
     fn call(&mut self, uri: http::Uri) -> Self::Future {
-        let files = self.files.clone();
+        let (files, tcp) = (self.files.clone(), self.tcp.clone());
         Box::pin(async move {
             let host = uri.host().ok_or_else(|| format!("no host in {uri}"))?;
             // An IPv6 address comes in brackets.
@@ -180,7 +185,7 @@ impl Service<http::Uri> for Connector {
             let server_name = ServerName::try_from(name.to_owned())
                 .map_err(|error| format!("server name {name:?}: {error}"))?;
             let config = files.config();
-            let tcp = crate::socket::connect_tcp(&uri).await?;
+            let tcp = tcp.tcp(uri.clone()).await?;
             let tls = TlsConnector::from(config)
                 .connect(server_name, tcp)
                 .await

@@ -34,7 +34,7 @@ use tonic::transport::{Server, server::Connected, server::TcpIncoming};
 
 use tower::layer::util::{Identity, Stack};
 
-use super::call_limit::CallLimitLayer;
+use super::{call_limit::CallLimitLayer, write_hold::WriteHold};
 use crate::metrics::{GRPC_CONNECTIONS, GRPC_CONNECTIONS_CLOSED_TOTAL};
 
 /// `PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n`, which every HTTP/2 client sends first.
@@ -175,6 +175,7 @@ impl Admission {
         Connection {
             io,
             greeting: Some(greeting),
+            writes: WriteHold::default(),
             _slot: self.slot,
         }
     }
@@ -217,6 +218,8 @@ pub struct Connection<IO> {
     io: IO,
     /// `None` once the preface is in.
     greeting: Option<Greeting>,
+    /// What the codec wrote since its last flush.
+    writes: WriteHold,
     _slot: Slot,
 }
 
@@ -258,13 +261,17 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Connection<IO> {
     }
 }
 
+/// Writes are held until the codec flushes (see [`WriteHold`]), so that what
+/// h2 writes in one flush leaves in one write.
 impl<IO: AsyncWrite + Unpin> AsyncWrite for Connection<IO> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        let this = &mut *self;
+        this.writes
+            .poll_hold(&mut this.io, cx, &[io::IoSlice::new(buf)])
     }
 
     fn poll_write_vectored(
@@ -272,7 +279,8 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Connection<IO> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+        let this = &mut *self;
+        this.writes.poll_hold(&mut this.io, cx, bufs)
     }
 
     /// Not vectored, whatever the stream under it: h2 then copies a DATA
@@ -281,18 +289,21 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Connection<IO> {
     /// flush before it can buffer the next frame. A replay's answer with a
     /// stored body of a few hundred bytes went out as two writes, its
     /// trailers second, and the client often woke twice for it; now as one
-    /// (a replay through Postgres about 10 µs faster at one caller,
-    /// `docs/performance.md`, "One write per request and per answer").
+    /// (`docs/performance.md`, "One write per request and per answer").
     fn is_write_vectored(&self) -> bool {
         false
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
+        let this = &mut *self;
+        ready!(this.writes.poll_write_held(&mut this.io, cx))?;
+        Pin::new(&mut this.io).poll_flush(cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
+        let this = &mut *self;
+        ready!(this.writes.poll_write_held(&mut this.io, cx))?;
+        Pin::new(&mut this.io).poll_shutdown(cx)
     }
 }
 
@@ -369,9 +380,9 @@ mod tests {
     }
 
     /// The server's writes for `ANSWERS` answers shaped as gRPC's (headers,
-    /// a DATA frame of 300 bytes, trailers), after a first answer, over an
+    /// a DATA frame of `body` bytes, trailers), after a first answer, over an
     /// HTTP/2 connection served on the stream `wrap` makes.
-    async fn writes_of_answers<IO>(wrap: impl FnOnce(CountedWrites) -> IO) -> usize
+    async fn writes_of_answers<IO>(body: usize, wrap: impl FnOnce(CountedWrites) -> IO) -> usize
     where
         IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
     {
@@ -385,11 +396,11 @@ mod tests {
             io: server_io,
             writes: writes.clone(),
         });
-        let answer = hyper::service::service_fn(|_request| async {
+        let answer = hyper::service::service_fn(move |_request| async move {
             let mut trailers = http::HeaderMap::new();
             trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
             let frames = [
-                Frame::data(bytes::Bytes::from(vec![b'x'; 300])),
+                Frame::data(bytes::Bytes::from(vec![b'x'; body])),
                 Frame::trailers(trailers),
             ];
             let body = StreamBody::new(futures_util::stream::iter(
@@ -428,10 +439,21 @@ mod tests {
     #[tokio::test]
     async fn an_answer_with_a_body_under_a_kib_goes_out_in_one_write() {
         let gate = settings(2).gate();
-        let through_connection = writes_of_answers(|io| gate.admit().unwrap().connection(io)).await;
+        let through_connection =
+            writes_of_answers(300, |io| gate.admit().unwrap().connection(io)).await;
         assert_eq!(through_connection, ANSWERS, "one write per answer");
         // The stream alone: the headers and body, then the trailers.
-        assert_eq!(writes_of_answers(|io| io).await, 2 * ANSWERS);
+        assert!(writes_of_answers(300, |io| io).await > ANSWERS);
+    }
+
+    #[tokio::test]
+    async fn a_larger_answer_goes_out_in_no_more_writes_than_over_the_stream_alone() {
+        let gate = settings(2).gate();
+        let through_connection =
+            writes_of_answers(4096, |io| gate.admit().unwrap().connection(io)).await;
+        // Headers and data in one write, the trailers in a second.
+        assert_eq!(through_connection, 2 * ANSWERS);
+        assert_eq!(writes_of_answers(4096, |io| io).await, 2 * ANSWERS);
     }
 
     #[test]

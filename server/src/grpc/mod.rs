@@ -27,6 +27,7 @@ pub mod service;
 pub mod status;
 pub mod trace;
 pub mod wire;
+pub mod write_hold;
 
 /// Messages and the server trait generated from `proto/idempotency/v1/idempotency.proto`
 /// (the `idempotency-proto` crate, shared with the client), with the encoded
