@@ -599,11 +599,11 @@ impl ClientBuilder {
         let endpoint = endpoints.remove(0);
         #[cfg(feature = "tls")]
         let connected = match self.tls_connector()? {
-            Some(connector) => crate::transport::connect(endpoint, connector).await,
-            None => crate::transport::connect(endpoint, self.tcp_connector()).await,
+            Some(connector) => endpoint.connect_with_connector(connector).await,
+            None => endpoint.connect_with_connector(self.tcp_connector()).await,
         };
         #[cfg(not(feature = "tls"))]
-        let connected = crate::transport::connect(endpoint, self.tcp_connector()).await;
+        let connected = endpoint.connect_with_connector(self.tcp_connector()).await;
         let channel = connected.map_err(|error| Error::Unavailable {
             attempts: 1,
             message: format!("connecting: {}", error_chain(&error)),

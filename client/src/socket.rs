@@ -102,19 +102,16 @@ impl<IO: AsyncRead + Unpin> AsyncRead for CoalescedWrites<IO> {
 
 impl<IO: AsyncWrite + Unpin> AsyncWrite for CoalescedWrites<IO> {
     fn poll_write(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        if self.held.len() >= MOST_HELD {
-            ready!(self.poll_write_held(cx))?;
-        }
-        self.held.extend_from_slice(buf);
-        Poll::Ready(Ok(buf.len()))
+        self.poll_write_vectored(cx, &[io::IoSlice::new(buf)])
     }
 
     /// All the slices, held as one (a TLS stream above this one writes its
-    /// records vectored).
+    /// records vectored), after writing what was held when that is above
+    /// the threshold.
     fn poll_write_vectored(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,

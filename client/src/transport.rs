@@ -87,20 +87,6 @@ where
     ))
 }
 
-/// One endpoint's channel through `connector`, connected now.
-pub(crate) async fn connect<C>(
-    endpoint: Endpoint,
-    connector: C,
-) -> Result<Channel, tonic::transport::Error>
-where
-    C: Service<http::Uri> + Send + 'static,
-    C::Response: hyper::rt::Read + hyper::rt::Write + Send + Unpin,
-    C::Future: Send,
-    StdError: From<C::Error> + Send,
-{
-    endpoint.connect_with_connector(connector).await
-}
-
 type Request = http::Request<Body>;
 type ChannelFuture = <Channel as Service<Request>>::Future;
 type BalancedFuture = <Balanced as Service<Request>>::Future;
