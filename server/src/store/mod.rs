@@ -48,6 +48,7 @@ mod statements;
 pub mod stats;
 
 pub use records::{AcquireAttempt, AcquireInput, FinishInput};
+pub use replay_share::LoneAcquire;
 
 use std::{
     collections::BTreeMap,
@@ -469,13 +470,15 @@ impl Store {
         &self.db.pool
     }
 
-    /// Whether an Acquire alone in its statement reads its key before it
-    /// inserts, as it does once lone Acquires lately found their key more
-    /// often than about a quarter of the time (a replay, a duplicate), or
-    /// inserts first, as for new keys. Both answer the same; they differ in
+    /// The statements an Acquire alone in its statement runs: it inserts
+    /// first, as for new keys; reads first, in one statement that inserts
+    /// when the key is absent, once lone Acquires lately found their key
+    /// more often than about a quarter of the time (a replay, a duplicate);
+    /// or reads alone, and inserts in a second statement when the key is
+    /// absent, above three quarters. All answer the same; they differ in
     /// cost (see `docs/performance.md`).
-    pub fn reads_first(&self) -> bool {
-        self.replays.read_first()
+    pub fn lone_acquire(&self) -> LoneAcquire {
+        self.replays.lone_acquire()
     }
 
     /// Reads a record, expired or not, with the database's `now()`.

@@ -1,23 +1,28 @@
 //! How often a lone Acquire finds its key already there, to choose the
-//! statement it runs.
+//! statements it runs.
 //!
-//! A call alone in its statement (every call at low load) has two ways to
-//! insert-or-read its record, each the cheaper one for one kind of key
+//! A call alone in its statement (every call at low load) has three ways to
+//! insert-or-read its record, each the cheapest for one mix of keys
 //! (`statements::insert_or_read`):
 //! - **insert first**: a plain insert, and only when it inserts nothing a
 //!   second round trip reads the record. The least for a new key, the
 //!   common call; a replay pays two statements.
 //! - **read first**: one statement that reads the key and inserts only when
-//!   the read found nothing. A replay pays one index probe; a new key pays
-//!   that probe and the statement's CTEs.
+//!   the read found nothing. A replay pays one index probe and the
+//!   statement's CTEs; a new key pays the probe beside its insert.
+//! - **read, then insert**: a plain primary-key read, and only when it finds
+//!   nothing a second round trip inserts (as insert first). The least for a
+//!   replay; a new key pays two statements.
 //!
 //! Measured on this machine (`docs/performance.md`, "Reading first when
-//! many keys exist"): reading first takes about 0.1 ms off a replay through
-//! Postgres and adds up to about 0.03 ms to a new key. Reading first pays
-//! once more than about a fifth of lone Acquires find their key: a
-//! deployment whose replays miss the replay cache (several replicas, a
-//! restart), or whose callers retry a lot. Every other deployment keeps the
-//! plain insert.
+//! many keys exist" and "A plain read when most keys exist"): reading first
+//! takes about 0.1 ms off a replay through Postgres and adds up to about
+//! 0.03 ms to a new key, so it pays once more than about a fifth of lone
+//! Acquires find their key: a deployment whose replays miss the replay
+//! cache (several replicas, a restart), or whose callers retry a lot. The
+//! plain read takes another 0.02–0.03 ms off a replay and adds a round trip
+//! (about 0.06 ms net) to a new key: it pays above about two thirds. Every
+//! other deployment keeps the plain insert.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -33,15 +38,36 @@ const ONE: u32 = 1 << 16;
 /// leaves a mixed workload near the break-even on the plain insert.
 const READ_FIRST_ABOVE: u32 = ONE / 4;
 
+/// The plain read pays above about two thirds (see the module docs); three
+/// quarters leaves a margin for a new key's round trip, which varies more.
+const READ_THEN_INSERT_ABOVE: u32 = ONE / 4 * 3;
+
 /// Each call weighs 1/16 of the average: five replays in a row turn a
-/// server that saw only new keys to reading first, and about twenty new
-/// keys turn it back.
+/// server that saw only new keys to reading first, twenty-two to the plain
+/// read; five new keys turn a server of replays back to reading first, and
+/// about twenty more to the plain insert.
 const WEIGHT_SHIFT: u32 = 4;
 
+/// The statements a lone Acquire runs (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoneAcquire {
+    /// A plain insert; a read only when the key exists.
+    InsertFirst,
+    /// One statement that reads the key and inserts only when it is absent.
+    ReadFirst,
+    /// A plain read; an insert (as [`Self::InsertFirst`]) only when the key
+    /// is absent.
+    ReadThenInsert,
+}
+
 impl ReplayShare {
-    /// Whether the next lone Acquire should read first.
-    pub(crate) fn read_first(&self) -> bool {
-        self.0.load(Ordering::Relaxed) > READ_FIRST_ABOVE
+    /// The statements the next lone Acquire should run.
+    pub(crate) fn lone_acquire(&self) -> LoneAcquire {
+        match self.0.load(Ordering::Relaxed) {
+            share if share > READ_THEN_INSERT_ABOVE => LoneAcquire::ReadThenInsert,
+            share if share > READ_FIRST_ABOVE => LoneAcquire::ReadFirst,
+            _ => LoneAcquire::InsertFirst,
+        }
     }
 
     /// Notes what a lone Acquire's statement found.
@@ -67,43 +93,67 @@ mod tests {
         }
     }
 
+    use LoneAcquire::*;
+
     #[test]
     fn a_new_server_inserts_first() {
-        assert!(!ReplayShare::default().read_first());
+        assert_eq!(ReplayShare::default().lone_acquire(), InsertFirst);
     }
 
     #[test]
-    fn five_replays_in_a_row_turn_it_to_reading_first() {
+    fn five_replays_in_a_row_turn_it_to_reading_first_and_twenty_two_to_the_plain_read() {
         let share = ReplayShare::default();
         observe(&share, false, 1_000);
         observe(&share, true, 4);
-        assert!(!share.read_first(), "four of the last calls replays");
+        assert_eq!(share.lone_acquire(), InsertFirst, "four replays");
         observe(&share, true, 1);
-        assert!(share.read_first());
+        assert_eq!(share.lone_acquire(), ReadFirst);
+        observe(&share, true, 16);
+        assert_eq!(share.lone_acquire(), ReadFirst, "twenty-one replays");
+        observe(&share, true, 1);
+        assert_eq!(share.lone_acquire(), ReadThenInsert);
     }
 
     #[test]
-    fn about_twenty_new_keys_turn_it_back() {
+    fn five_new_keys_turn_it_to_reading_first_and_about_twenty_more_back() {
         let share = ReplayShare::default();
         observe(&share, true, 1_000);
-        observe(&share, false, 21);
-        assert!(share.read_first(), "the average still over a quarter");
+        observe(&share, false, 4);
+        assert_eq!(share.lone_acquire(), ReadThenInsert, "four new keys");
         observe(&share, false, 1);
-        assert!(!share.read_first());
+        assert_eq!(share.lone_acquire(), ReadFirst);
+        observe(&share, false, 16);
+        assert_eq!(
+            share.lone_acquire(),
+            ReadFirst,
+            "the average still over a quarter"
+        );
+        observe(&share, false, 1);
+        assert_eq!(share.lone_acquire(), InsertFirst);
     }
 
     #[test]
-    fn a_tenth_of_replays_keeps_the_plain_insert_and_a_half_reads_first() {
-        let tenth = ReplayShare::default();
-        let half = ReplayShare::default();
-        for call in 0..1_000 {
-            tenth.observe(call % 10 == 0);
-            half.observe(call % 2 == 0);
-            if call > 100 {
-                assert!(!tenth.read_first(), "call {call}");
-                assert!(half.read_first(), "call {call}");
+    fn each_mix_of_keys_keeps_its_statements() {
+        let mixes = [(10, InsertFirst), (2, ReadFirst)];
+        for (every, expected) in mixes {
+            let share = ReplayShare::default();
+            for call in 0..1_000 {
+                share.observe(call % every == 0);
+                if call > 100 {
+                    assert_eq!(share.lone_acquire(), expected, "1 in {every}, call {call}");
+                }
             }
         }
+        // Nine replays in ten: the plain read, but for a call or two after
+        // each new key.
+        let share = ReplayShare::default();
+        let plain_reads = (0..1_000)
+            .filter(|call| {
+                share.observe(call % 10 != 0);
+                share.lone_acquire() == ReadThenInsert
+            })
+            .count();
+        assert!(plain_reads > 700, "{plain_reads}");
     }
 
     #[test]

@@ -62,12 +62,12 @@ async fn sixty_four_concurrent_acquires_over_two_replicas_give_exactly_one_holde
 }
 
 /// Without the replay cache each round's replays read the key in Postgres,
-/// which turns the server's lone Acquires to reading the key before
-/// inserting it (so do the callers told a key is in progress): the rounds
-/// after the first race on that statement, each caller alone in its
-/// statement. (From outside the server cannot tell which statement ran:
-/// `read_first.rs` asserts the turn on the store itself; a panic put into
-/// the read-first statement made this test fail.)
+/// which turns the server's lone Acquires to reading the key alone, and
+/// inserting it only when absent (so do the callers told a key is in
+/// progress): the rounds after the first race on those statements, each
+/// caller alone in its statement. (From outside the server cannot tell
+/// which statements ran: `read_first.rs` asserts the turn on the store
+/// itself, and races each mode there.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sixty_four_concurrent_acquires_give_exactly_one_holder_once_replays_turned_the_server_to_reading_first()
  {

@@ -1,16 +1,17 @@
 //! An Acquire alone in its statement reads its key first once more than
 //! about a quarter of lone Acquires lately found their key (replays that
-//! missed the replay cache, duplicates), and inserts first otherwise. Both statements must answer alike: a new key
-//! is created, an existing one read and left unwritten, a key another
-//! transaction creates meanwhile is asked for again, and of concurrent
-//! callers of one key exactly one creates it. The store on a real Postgres,
-//! in both modes.
+//! missed the replay cache, duplicates), reads it alone and inserts in a
+//! second statement above three quarters, and inserts first otherwise. All
+//! must answer alike: a new key is created, an existing one read and left
+//! unwritten, a key another transaction creates meanwhile is read or asked
+//! for again, and of concurrent callers of one key exactly one creates it.
+//! The store on a real Postgres, in each mode.
 
 use std::{sync::Arc, time::Duration};
 
 use idempotency_server::{
     domain::{Fingerprint, RecordId, RecordState, StoredResponse},
-    store::{AcquireAttempt, AcquireInput, FinishInput, Store},
+    store::{AcquireAttempt, AcquireInput, FinishInput, LoneAcquire, Store},
 };
 use idempotency_tests::{TestDb, unique_key, wait_for_lock_wait};
 use tokio::sync::Barrier;
@@ -32,37 +33,37 @@ fn input(key: &str) -> Arc<AcquireInput> {
     })
 }
 
-/// The store's two modes, each as a fresh store turns to it.
-#[derive(Debug, Clone, Copy)]
-enum Mode {
-    InsertFirst,
-    ReadFirst,
-}
-
-/// A store in `mode`: a new one inserts first; five lone Acquires of an
-/// existing key turn it to reading first.
-async fn store_in(db: &TestDb, mode: Mode, batching: bool) -> Store {
+/// A store in `mode`, as a fresh one turns to it: a new one inserts first;
+/// five lone Acquires of an existing key turn it to reading first, thirty
+/// to the plain read.
+async fn store_in(db: &TestDb, mode: LoneAcquire, batching: bool) -> Store {
     let store = if batching {
         Store::with_batching(db.pool.clone(), Default::default())
     } else {
         Store::new(db.pool.clone())
     };
-    assert!(!store.reads_first(), "a new store inserts first");
-    if let Mode::ReadFirst = mode {
-        let existing = input(&unique_key("existing"));
-        inserted(store.insert_or_read(existing.clone()).await.unwrap());
-        for _ in 0..5 {
-            existing_row(store.insert_or_read(existing.clone()).await.unwrap());
-        }
-        assert!(store.reads_first(), "five replays turn it to reading first");
+    assert_eq!(
+        store.lone_acquire(),
+        LoneAcquire::InsertFirst,
+        "a new store inserts first"
+    );
+    let replays = match mode {
+        LoneAcquire::InsertFirst => return store,
+        LoneAcquire::ReadFirst => 5,
+        LoneAcquire::ReadThenInsert => 30,
+    };
+    let existing = input(&unique_key("existing"));
+    inserted(store.insert_or_read(existing.clone()).await.unwrap());
+    for _ in 0..replays {
+        existing_row(store.insert_or_read(existing.clone()).await.unwrap());
     }
+    assert_eq!(store.lone_acquire(), mode, "after {replays} replays");
     store
 }
 
 /// `store.insert_or_read`, checking first that the store is in `mode`.
-async fn acquire_in(store: &Store, mode: Mode, input: Arc<AcquireInput>) -> AcquireAttempt {
-    let reads_first = matches!(mode, Mode::ReadFirst);
-    assert_eq!(store.reads_first(), reads_first, "the store left {mode:?}");
+async fn acquire_in(store: &Store, mode: LoneAcquire, input: Arc<AcquireInput>) -> AcquireAttempt {
+    assert_eq!(store.lone_acquire(), mode, "the store left {mode:?}");
     store.insert_or_read(input).await.unwrap()
 }
 
@@ -89,7 +90,7 @@ async fn row_version(db: &TestDb, key: &str) -> String {
         .unwrap()
 }
 
-async fn answers_alike(mode: Mode) {
+async fn answers_alike(mode: LoneAcquire) {
     let db = TestDb::new().await;
     let store = store_in(&db, mode, false).await;
 
@@ -157,44 +158,54 @@ async fn answers_alike(mode: Mode) {
 
 #[tokio::test]
 async fn inserting_first_creates_new_keys_and_reads_existing_ones_without_writing_them() {
-    answers_alike(Mode::InsertFirst).await;
+    answers_alike(LoneAcquire::InsertFirst).await;
 }
 
 #[tokio::test]
 async fn reading_first_creates_new_keys_and_reads_existing_ones_without_writing_them() {
-    answers_alike(Mode::ReadFirst).await;
+    answers_alike(LoneAcquire::ReadFirst).await;
 }
 
 #[tokio::test]
-async fn a_store_reads_first_after_replays_and_inserts_first_again_after_new_keys() {
+async fn the_plain_read_creates_new_keys_and_reads_existing_ones_without_writing_them() {
+    answers_alike(LoneAcquire::ReadThenInsert).await;
+}
+
+#[tokio::test]
+async fn a_store_reads_after_replays_and_inserts_first_again_after_new_keys() {
     let db = TestDb::new().await;
-    let store = store_in(&db, Mode::InsertFirst, true).await;
+    let store = store_in(&db, LoneAcquire::InsertFirst, true).await;
     let replayed = input(&unique_key("replayed"));
     inserted(store.insert_or_read(replayed.clone()).await.unwrap());
     for _ in 0..100 {
         existing_row(store.insert_or_read(replayed.clone()).await.unwrap());
     }
-    assert!(store.reads_first());
+    assert_eq!(store.lone_acquire(), LoneAcquire::ReadThenInsert);
 
+    // The mode each new key ran in, and what it left.
     let mut keys = Vec::new();
-    for _ in 0..21 {
+    let mut modes = Vec::new();
+    for _ in 0..22 {
         let key = unique_key("new");
+        modes.push(store.lone_acquire());
         inserted(store.insert_or_read(input(&key)).await.unwrap());
         keys.push(key);
     }
-    assert!(
-        store.reads_first(),
-        "21 new keys after many replays: still reading first"
+    let expected: Vec<_> = [LoneAcquire::ReadThenInsert; 5]
+        .into_iter()
+        .chain([LoneAcquire::ReadFirst; 17])
+        .collect();
+    assert_eq!(
+        modes, expected,
+        "five new keys turn it to reading first, about twenty more back"
     );
-    inserted(
-        store
-            .insert_or_read(input(&unique_key("new")))
-            .await
-            .unwrap(),
+    assert_eq!(
+        store.lone_acquire(),
+        LoneAcquire::InsertFirst,
+        "the 22nd new key turns it back"
     );
-    assert!(!store.reads_first(), "the 22nd new key turns it back");
 
-    // The keys created while reading first are there, each once.
+    // The keys created while reading are there, each once.
     let created: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM idempotency_records WHERE key = ANY($1) AND state = 'in_progress'",
     )
@@ -202,12 +213,12 @@ async fn a_store_reads_first_after_replays_and_inserts_first_again_after_new_key
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    assert_eq!(created, 21);
+    assert_eq!(created, 22);
 }
 
 /// Another transaction creates the key after the statement's snapshot and
 /// commits while the statement's insert waits for it.
-async fn key_created_meanwhile(mode: Mode) -> AcquireAttempt {
+async fn key_created_meanwhile(mode: LoneAcquire) -> AcquireAttempt {
     let db = TestDb::new().await;
     let store = store_in(&db, mode, false).await;
     let key = unique_key("meanwhile");
@@ -238,13 +249,22 @@ async fn key_created_meanwhile(mode: Mode) -> AcquireAttempt {
 async fn reading_first_asks_again_for_a_key_created_after_its_read() {
     // Neither read (the snapshot is older) nor inserted (the key exists by
     // then): the engine asks again, and then reads it.
-    let attempt = key_created_meanwhile(Mode::ReadFirst).await;
+    let attempt = key_created_meanwhile(LoneAcquire::ReadFirst).await;
     assert!(matches!(attempt, AcquireAttempt::Raced), "{attempt:?}");
 }
 
 #[tokio::test]
 async fn inserting_first_reads_a_key_created_while_it_waited() {
-    let attempt = key_created_meanwhile(Mode::InsertFirst).await;
+    let attempt = key_created_meanwhile(LoneAcquire::InsertFirst).await;
+    let row = existing_row(attempt);
+    assert_eq!(row.fencing_token, 1);
+}
+
+#[tokio::test]
+async fn the_plain_read_then_insert_reads_a_key_created_while_the_insert_waited() {
+    // The read finds nothing (the other transaction has not committed); the
+    // insert waits for it, inserts nothing, and reads the key it committed.
+    let attempt = key_created_meanwhile(LoneAcquire::ReadThenInsert).await;
     let row = existing_row(attempt);
     assert_eq!(row.fencing_token, 1);
 }
@@ -252,7 +272,7 @@ async fn inserting_first_reads_a_key_created_while_it_waited() {
 /// Callers of one new key at once, each a lone statement on a connection
 /// of its own (no batching), or sharing statements (batching): exactly one
 /// creates it.
-async fn one_creator(mode: Mode, batching: bool) {
+async fn one_creator(mode: LoneAcquire, batching: bool) {
     const CALLERS: usize = 32;
     let db = TestDb::new().await;
     let store = store_in(&db, mode, batching).await;
@@ -286,15 +306,25 @@ async fn one_creator(mode: Mode, batching: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn of_concurrent_lone_callers_of_a_new_key_one_creates_it_reading_first() {
-    one_creator(Mode::ReadFirst, false).await;
+    one_creator(LoneAcquire::ReadFirst, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn of_concurrent_lone_callers_of_a_new_key_one_creates_it_inserting_first() {
-    one_creator(Mode::InsertFirst, false).await;
+    one_creator(LoneAcquire::InsertFirst, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn of_concurrent_batched_callers_of_a_new_key_one_creates_it_reading_first() {
-    one_creator(Mode::ReadFirst, true).await;
+    one_creator(LoneAcquire::ReadFirst, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn of_concurrent_lone_callers_of_a_new_key_one_creates_it_with_the_plain_read() {
+    one_creator(LoneAcquire::ReadThenInsert, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn of_concurrent_batched_callers_of_a_new_key_one_creates_it_with_the_plain_read() {
+    one_creator(LoneAcquire::ReadThenInsert, true).await;
 }
