@@ -178,9 +178,10 @@ for c in $concurrencies; do
   service_run "$uncached_port" replay "$c" --key-prefix budget --keys "$keys" --skip-prepare \
     --server-pid "$uncached_pid" >"$work/replay-service.json"
   metrics "$uncached_metrics_port" >"$work/after.prom"
-  # A call alone: the plain insert, then the read of the key it found; or,
-  # once replays turned the server to reading first, one statement that
-  # reads (its text begins `WITH existing AS (SELECT ...`, an insert in it).
+  # A call alone: the plain insert, then the read of the key it found; once
+  # replays turned the server to reading first, one statement that reads
+  # (its text begins `WITH existing AS (SELECT ...`, an insert in it); and
+  # once they are most calls, the plain read alone.
   sv_replay=$(statements 'INSERT INTO idempotency_records') sv_read=$(statements '^\s*SELECT state, fingerprint')
   python3 bench/budget_report.py --floors "$c" "$work" "$pg_select" "$pg_shape" "$sv_replay" "$sv_read"
 

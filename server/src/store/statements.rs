@@ -314,30 +314,6 @@ async fn read_first_one(
     // before the insert can wait (see `insert_first_one`); the insert's
     // filter stops at `NOT EXISTS` for an existing key, which waits for
     // nothing.
-    const READ_FIRST_ONE: &str = concat!(
-        "
-        WITH existing AS (
-            SELECT ",
-        record_columns!(),
-        "
-            FROM idempotency_records
-            WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
-        ), inserted AS (
-        ",
-        insert_one!(),
-        "
-            WHERE NOT EXISTS (SELECT 1 FROM existing)
-              AND set_config('lock_timeout', coalesce($8, current_setting('lock_timeout')), true)
-                  IS NOT NULL
-            ON CONFLICT (namespace, operation, subject, key) DO NOTHING
-            RETURNING ",
-        record_columns!(),
-        "
-        )
-        SELECT 1::int8 AS ord, true AS inserted, *, now() AS db_now FROM inserted
-        UNION ALL
-        SELECT 1, false, *, now() FROM existing"
-    );
     let query = bind_acquire(sqlx::query_as::<_, AttemptRow>(READ_FIRST_ONE), input)
         .bind(wait.lock_timeout());
     let row = connection
@@ -348,6 +324,33 @@ async fn read_first_one(
         None => AcquireAttempt::Raced,
     })
 }
+
+/// [`read_first_one`]'s statement (its reasons are there). A copy of it runs
+/// in pgbench (`bench/pgbench/read_first_replay.sql`) beside `replay.sql`.
+const READ_FIRST_ONE: &str = concat!(
+    "
+    WITH existing AS (
+        SELECT ",
+    record_columns!(),
+    "
+        FROM idempotency_records
+        WHERE namespace = $1 AND operation = $2 AND subject = $3 AND key = $4
+    ), inserted AS (
+    ",
+    insert_one!(),
+    "
+        WHERE NOT EXISTS (SELECT 1 FROM existing)
+          AND set_config('lock_timeout', coalesce($8, current_setting('lock_timeout')), true)
+              IS NOT NULL
+        ON CONFLICT (namespace, operation, subject, key) DO NOTHING
+        RETURNING ",
+    record_columns!(),
+    "
+    )
+    SELECT 1::int8 AS ord, true AS inserted, *, now() AS db_now FROM inserted
+    UNION ALL
+    SELECT 1, false, *, now() FROM existing"
+);
 
 /// An Acquire's `$1`..`$7`: its record's key, fingerprint, lifetime and lease.
 fn bind_acquire<'q, O>(
@@ -630,6 +633,39 @@ mod tests {
         }
         let copy = include_str!("../../../bench/pgbench/acquire_replay.sql");
         assert_eq!(after_input(copy), after_input(INSERT_OR_READ));
+    }
+
+    /// `bench/pgbench/read_first_replay.sql` runs a lone Acquire's read-first
+    /// statement by hand beside `replay.sql`'s plain read; only its
+    /// parameters are written as pgbench variables.
+    #[test]
+    fn the_pgbench_copy_of_the_read_first_statement_matches_it() {
+        fn words(sql: &str) -> String {
+            let words: Vec<&str> = sql.split_whitespace().collect();
+            words.join(" ").trim_end_matches(';').to_owned()
+        }
+        let copy = include_str!("../../../bench/pgbench/read_first_replay.sql");
+        let statement: String = copy
+            .lines()
+            .filter(|line| !line.starts_with("--") && !line.starts_with('\\'))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let parameters = [
+            ("'replay-' || :k", "$4"),
+            (":ns", "$1"),
+            (":op", "$2"),
+            (":sub", "$3"),
+            (":fp", "$5"),
+            (":ttl", "$6"),
+            (":lease", "$7"),
+            (":wait", "$8"),
+        ];
+        let statement = parameters
+            .iter()
+            .fold(statement, |sql, (variable, parameter)| {
+                sql.replace(variable, parameter)
+            });
+        assert_eq!(words(&statement), words(READ_FIRST_ONE));
     }
 
     /// `bench/pgbench/service_batch_pair.sql` runs both batch statements by
