@@ -9,8 +9,10 @@
 # difference seen in most rounds is one this machine resolves; one run of
 # each, minutes apart, is not (docs/performance.md, "Comparing two variants").
 #
-# AB_CONCURRENCY (1), AB_ROUNDS (6), AB_SECONDS (4), AB_SCENARIO (new-keys, or
-# replay), AB_SERVER_ARGS (flags for both servers, e.g. --replay-cache-bytes 0).
+# AB_CONCURRENCY (1), AB_ROUNDS (6), AB_SECONDS (4), AB_SCENARIO (new-keys,
+# replay or mixed), AB_SERVER_ARGS (flags for both servers, e.g.
+# --replay-cache-bytes 0), AB_CLIENT_ARGS (flags for the load generator, e.g.
+# --mix 10:90).
 # Prints each measurement, then per round B against A (p50 difference, pairs/s
 # ratio) and their medians, and each server's rows per statement.
 set -euo pipefail
@@ -68,9 +70,10 @@ say "A $a_bin (pid $pid_a), B $b_bin (pid $pid_b); $rounds rounds of ${seconds}s
 measure() { # name round
   local port=port_$1 pid=pid_$1
   "$psql" -q -c CHECKPOINT "$DATABASE_URL" >/dev/null
+  # shellcheck disable=SC2086 # AB_CLIENT_ARGS is a list of flags
   "$bench_bin" --endpoint "http://127.0.0.1:${!port}" --scenario "$scenario" --concurrency "$c" \
     --connections 1 --threads 1 --duration "${seconds}s" --warmup 1s --payload-bytes 256 \
-    --keys 1000 --server-pid "${!pid}" --json >"$work/$1-$2.json"
+    --keys 1000 --server-pid "${!pid}" ${AB_CLIENT_ARGS:-} --json >"$work/$1-$2.json"
   python3 - "$work/$1-$2.json" "$1" <<'EOF'
 import json, sys
 d = json.load(open(sys.argv[1]))

@@ -475,7 +475,7 @@ impl Store {
     /// when the key is absent, once lone Acquires lately found their key
     /// more often than about a quarter of the time (a replay, a duplicate);
     /// or reads alone, and inserts in a second statement when the key is
-    /// absent, above three quarters. All answer the same; they differ in
+    /// absent, above 13/16. All answer the same; they differ in
     /// cost (see `docs/performance.md`).
     pub fn lone_acquire(&self) -> LoneAcquire {
         self.replays.lone_acquire()
