@@ -621,18 +621,27 @@ mod tests {
         assert_eq!(order.input(4), None);
     }
 
+    /// A statement's words, whitespace and the final `;` aside: how the
+    /// pgbench copies below compare with the server's statements.
+    fn words(sql: &str) -> String {
+        let words: Vec<&str> = sql.split_whitespace().collect();
+        words.join(" ").trim_end_matches(';').to_owned()
+    }
+
+    /// A statement's words from `marker` on, past an input that differs.
+    fn after(sql: &str, marker: &str) -> String {
+        let start = sql.find(marker).expect("the statement's input ends");
+        words(&sql[start..])
+    }
+
     /// `make bench-budget` runs the Acquire statement by hand in pgbench
     /// beside a plain SELECT; a copy that drifted would measure another
     /// statement. Only the input differs: pgbench builds the arrays.
     #[test]
     fn the_pgbench_copy_of_the_acquire_statement_matches_it_after_its_input() {
-        fn after_input(sql: &str) -> String {
-            let start = sql.find("), inserted AS (").expect("the input CTE ends");
-            let words: Vec<&str> = sql[start..].split_whitespace().collect();
-            words.join(" ").trim_end_matches(';').to_owned()
-        }
         let copy = include_str!("../../../bench/pgbench/acquire_replay.sql");
-        assert_eq!(after_input(copy), after_input(INSERT_OR_READ));
+        let marker = "), inserted AS (";
+        assert_eq!(after(copy, marker), after(INSERT_OR_READ, marker));
     }
 
     /// `bench/pgbench/read_first_replay.sql` runs a lone Acquire's read-first
@@ -640,10 +649,6 @@ mod tests {
     /// parameters are written as pgbench variables.
     #[test]
     fn the_pgbench_copy_of_the_read_first_statement_matches_it() {
-        fn words(sql: &str) -> String {
-            let words: Vec<&str> = sql.split_whitespace().collect();
-            words.join(" ").trim_end_matches(';').to_owned()
-        }
         let copy = include_str!("../../../bench/pgbench/read_first_replay.sql");
         let statement: String = copy
             .lines()
@@ -674,14 +679,6 @@ mod tests {
     /// cannot carry the tokens: `<>` a token 0, on the same row).
     #[test]
     fn the_pgbench_copy_of_the_batch_statements_matches_them_after_their_inputs() {
-        fn words(sql: &str) -> String {
-            let words: Vec<&str> = sql.split_whitespace().collect();
-            words.join(" ").trim_end_matches(';').to_owned()
-        }
-        fn after(sql: &str, marker: &str) -> String {
-            let start = sql.find(marker).expect("the statement's input ends");
-            words(&sql[start..])
-        }
         let copy = include_str!("../../../bench/pgbench/service_batch_pair.sql");
         let (acquire, complete) = copy
             .split_once("= (i.namespace, i.operation, i.subject, i.key));")
