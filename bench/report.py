@@ -136,6 +136,33 @@ def cpu_model():
     return platform.processor()
 
 
+def idle_wakeup():
+    """How an idle CPU waits, which sets what waking it costs. On a virtual
+    machine whose idle vCPUs halt at once (cpuidle's haltpoll driver with
+    guest_halt_poll_ns 0), every hand-off to a sleeping process pays the
+    hypervisor's wake-up, about 30 µs here: docs/performance.md, "Waking a
+    halted vCPU"."""
+    def read(path):
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return None
+    driver = read("/sys/devices/system/cpu/cpuidle/current_driver")
+    poll_ns = read("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
+    return {"cpuidle_driver": driver,
+            "guest_halt_poll_ns": int(poll_ns) if poll_ns and poll_ns.isdigit() else None}
+
+
+def idle_wakeup_text(idle):
+    if idle["cpuidle_driver"] is None:
+        return "cpuidle driver unknown"
+    text = f"cpuidle {idle['cpuidle_driver']}"
+    if idle["guest_halt_poll_ns"] is not None:
+        text += f", guest_halt_poll_ns {idle['guest_halt_poll_ns']}"
+    return text
+
+
 def mem_gib():
     with open("/proc/meminfo") as f:
         for line in f:
@@ -291,7 +318,7 @@ def summary(raw, out, meta_json):
     doc = {
         **meta,
         "machine": {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "memory_gib": mem_gib(),
-                    "kernel": platform.release()},
+                    "kernel": platform.release(), "idle_wakeup": idle_wakeup()},
         "results": results,
         "memory": memory,
         "auth": auth,
@@ -340,7 +367,8 @@ def summary(raw, out, meta_json):
     lines.append(
         f"Medians of {meta['settings']['repeats']} x {meta['settings']['seconds']} s; errors: {errors}; "
         f"Postgres {pg['version']}, fsync={pg['fsync']}, synchronous_commit={pg['synchronous_commit']}; "
-        f"{os.cpu_count()} CPUs ({cpu_model()}); server at {meta.get('git_commit', '?')}.")
+        f"{os.cpu_count()} CPUs ({cpu_model()}; {idle_wakeup_text(idle_wakeup())}); "
+        f"server at {meta.get('git_commit', '?')}.")
     lines.append("")
     if results:
         lines.append("Service / pgbench per repetition (each against the pgbench run just before it):")
