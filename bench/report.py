@@ -367,7 +367,7 @@ def summary(raw, out, meta_json):
     lines.append(
         f"Medians of {meta['settings']['repeats']} x {meta['settings']['seconds']} s; errors: {errors}; "
         f"Postgres {pg['version']}, fsync={pg['fsync']}, synchronous_commit={pg['synchronous_commit']}; "
-        f"{os.cpu_count()} CPUs ({cpu_model()}; {idle_wakeup_text(idle_wakeup())}); "
+        f"{os.cpu_count()} CPUs ({cpu_model()}; {idle_wakeup_text(doc['machine']['idle_wakeup'])}); "
         f"server at {meta.get('git_commit', '?')}.")
     lines.append("")
     if results:
