@@ -452,7 +452,9 @@ impl ClientBuilder {
         self
     }
 
-    /// Adds several endpoints; calls are balanced across them.
+    /// Adds several endpoints; calls are balanced across them. An endpoint
+    /// whose call could not reach it (the connection refused or lost) loses
+    /// to the others for 2 s, so retries go elsewhere; then it is tried again.
     pub fn endpoints<I, S>(mut self, endpoints: I) -> Self
     where
         I: IntoIterator<Item = S>,

@@ -54,6 +54,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod balanced_endpoint;
 mod batching;
 mod client;
 mod credentials;

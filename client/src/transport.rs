@@ -19,8 +19,8 @@ use tonic::{
 };
 
 use crate::{
-    credentials::Credentials, pb::idempotency_service_client::IdempotencyServiceClient,
-    trace::TraceContext,
+    balanced_endpoint::BalancedEndpoint, credentials::Credentials,
+    pb::idempotency_service_client::IdempotencyServiceClient, trace::TraceContext,
 };
 
 /// The stub every call of a [`Client`](crate::Client) uses, unary or batch:
@@ -72,11 +72,12 @@ where
     }
     // What `Channel::balance_list` builds (power of two choices, over lazy
     // connections whose errors reach the calls, so none is dropped from the
-    // set), but over connections made through this connector.
+    // set), but over connections made through this connector, and with an
+    // endpoint whose calls fail in transport avoided for a while.
     let channels: Vec<_> = endpoints
         .iter()
         .map(|endpoint| {
-            tower::load::Constant::new(endpoint.connect_with_connector_lazy(connector.clone()), 0)
+            BalancedEndpoint::new(endpoint.connect_with_connector_lazy(connector.clone()))
         })
         .collect();
     let balance: tower::balance::p2c::Balance<_, Request> =

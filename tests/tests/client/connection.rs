@@ -9,7 +9,7 @@ use idempotency_server::{
     grpc::{GrpcService, service::IdempotencyServiceServer},
     store::Store,
 };
-use idempotency_tests::{TestDb, TestServer, server_pool};
+use idempotency_tests::{TcpProxy, TestDb, TestServer, server_pool};
 use tonic::transport::{
     Certificate, ClientTlsConfig, Identity, Server, ServerTlsConfig, server::TcpIncoming,
 };
@@ -85,8 +85,10 @@ async fn several_endpoints_are_balanced_and_one_going_away_is_survived() {
         .unwrap()
         .with_options(ClientOptions {
             timeout: Duration::from_secs(2),
+            // Two attempts: a call whose first attempt draws the endpoint
+            // that went away must get its second to the live one.
             retry: RetryPolicy {
-                max_attempts: 10,
+                max_attempts: 2,
                 ..RetryPolicy::default()
             },
             ..ClientOptions::default()
@@ -114,13 +116,72 @@ async fn several_endpoints_are_balanced_and_one_going_away_is_survived() {
 
     first.stop().await;
 
-    for n in 0..10 {
+    // Drawn at random, each of two attempts would go to the stopped server
+    // half the time: a quarter of these calls would fail.
+    for n in 0..20 {
         let outcome = client.acquire(&request(&format!("survivor{n}"))).await;
         assert!(
             matches!(outcome, Ok(Acquisition::Proceed(_))),
             "{outcome:?}"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_that_comes_back_gets_calls_again() {
+    let (first_db, second_db) = (TestDb::new().await, TestDb::new().await);
+    let first = TestServer::start(&first_db).await;
+    let second = TestServer::start(&second_db).await;
+    // The first endpoint is a proxy: cut, its address refuses connections;
+    // restored, it listens on the same address again.
+    let proxy = TcpProxy::start(first.addr).await;
+    let client = Client::builder()
+        .endpoints([
+            format!("http://{}", proxy.addr),
+            format!("http://{}", second.addr),
+        ])
+        .connect_lazy()
+        .unwrap()
+        .with_options(ClientOptions {
+            timeout: Duration::from_secs(2),
+            retry: RetryPolicy {
+                max_attempts: 2,
+                ..RetryPolicy::default()
+            },
+            ..ClientOptions::default()
+        });
+    let mut n = 0;
+    let mut acquire = async || {
+        n += 1;
+        let outcome = client.acquire(&request(&format!("back{n}"))).await;
+        assert!(
+            matches!(outcome, Ok(Acquisition::Proceed(_))),
+            "call {n}: {outcome:?}"
+        );
+    };
+    while first_db.row_count().await == 0 {
+        acquire().await;
+    }
+
+    proxy.cut().await;
+    for _ in 0..20 {
+        acquire().await;
+    }
+    proxy.restore().await;
+    let before = first_db.row_count().await;
+    // An endpoint whose calls failed is avoided for a while, then drawn
+    // again: well within this long it serves calls again.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while first_db.row_count().await == before {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the endpoint that came back got no call in 15 s"
+        );
+        acquire().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    first.stop().await;
+    second.stop().await;
 }
 
 /// A client of a service that accepts connections and never answers (a hung
