@@ -20,17 +20,16 @@ statements, so the trace alone cannot tell the two apart. Without
 caller's (tonic's default stream, as `idempotency-bench --serve-floor` and
 servers before 52ddd78 write); every other connection written to is
 Postgres's. It also prints how many statements went to each Postgres
-connection. A system call
-that perf shows split over two lines ("[continued]") names no connection and
-is left out; keep the caller alone, so that nothing else (health probes, the
-gauges' queries) reads and writes between a request and its reply.
+connection. A system call that perf shows split over two lines
+("[continued]") names no connection and is left out; keep the caller alone,
+so that nothing else (health probes, the gauges' queries) reads and writes
+between a request and its reply.
 
 Usage: perf trace ... -o server.trace
        python3 bench/syscall_gaps.py server.trace [--caller-fd FD]
 """
 
 import argparse
-
 import collections
 import re
 import statistics

@@ -452,9 +452,11 @@ impl ClientBuilder {
         self
     }
 
-    /// Adds several endpoints; calls are balanced across them. An endpoint
-    /// whose call could not reach it (the connection refused or lost) loses
-    /// to the others for 2 s, so retries go elsewhere; then it is tried again.
+    /// Adds several endpoints; calls are balanced across them. For 2 s after
+    /// a call could not reach an endpoint (the connection refused or lost),
+    /// each attempt that draws it beside another endpoint takes the other (the
+    /// balancer draws two at a time: with two endpoints, a retry always goes
+    /// to the other one); then the next call drawn to it tries it again.
     pub fn endpoints<I, S>(mut self, endpoints: I) -> Self
     where
         I: IntoIterator<Item = S>,
