@@ -17,7 +17,7 @@ use tracing::Instrument;
 use crate::{
     batching::{Batcher, Batching, Grpc, SendBatch},
     credentials::{Credentials, TokenSource},
-    error::{Error, is_transient},
+    error::{Error, is_dropped_connection, is_transient},
     lease::{Acquisition, Lease},
     pb,
     socket::TcpConnector,
@@ -44,7 +44,8 @@ macro_rules! call_span {
 }
 
 /// How transient errors (`UNAVAILABLE`, `DEADLINE_EXCEEDED`, a reset
-/// connection) are retried. Safe because every RPC of the service is idempotent.
+/// connection, a connection that dropped before the call went out) are
+/// retried. Safe because every RPC of the service is idempotent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RetryPolicy {
     /// Calls at most, the first included. 1 disables retries.
@@ -395,6 +396,10 @@ impl Client {
                         status.message()
                     ))
                 }
+                Ok(Err(status)) if is_dropped_connection(&status) => Status::unavailable(format!(
+                    "the connection closed before the call went out ({})",
+                    status.message()
+                )),
                 Ok(Err(status)) => status,
                 Err(_) => Status::deadline_exceeded("the call exceeded the client's timeout"),
             };

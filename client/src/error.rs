@@ -126,6 +126,28 @@ impl Error {
 /// not use the record's namespace.
 pub use idempotency_proto::reason::NAMESPACE_FORBIDDEN;
 
+/// Whether a CANCELLED status is the transport's and not a cancellation:
+/// hyper cancels a request it could not send because its connection had
+/// closed (a server killed, a proxy restarted, an idle connection dropped
+/// by a balancer), and tonic reports that as CANCELLED. The call is
+/// transient like any refused connection: the next attempt reconnects.
+pub(crate) fn is_dropped_connection(status: &Status) -> bool {
+    if status.code() != Code::Cancelled {
+        return false;
+    }
+    let mut cause = std::error::Error::source(status);
+    while let Some(error) = cause {
+        if error
+            .downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_canceled)
+        {
+            return true;
+        }
+        cause = error.source();
+    }
+    false
+}
+
 /// Codes worth retrying: every RPC of the service is idempotent, so a call
 /// that may or may not have reached the server can be sent again.
 pub(crate) fn is_transient(code: Code) -> bool {
@@ -167,6 +189,18 @@ mod tests {
         ] {
             assert!(!passing.is_refusal(), "{passing}");
         }
+    }
+
+    #[test]
+    fn a_cancelled_status_without_a_dropped_connection_behind_it_is_not_retried() {
+        // What a server or a proxy answers as CANCELLED is theirs to say;
+        // only hyper's cancelled request (tested against a proxy that drops
+        // its connections, in tests/) is the transport's.
+        assert!(!is_dropped_connection(&Status::cancelled("stream reset")));
+        assert!(!is_transient(Code::Cancelled));
+        assert!(!is_dropped_connection(&Status::unavailable(
+            "connection refused"
+        )));
     }
 
     fn forbidden(namespace: &str) -> Status {

@@ -190,6 +190,38 @@ async fn an_endpoint_that_comes_back_gets_calls_again() {
     second.stop().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_whose_connection_dropped_before_it_went_out_is_sent_again() {
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    // Cut, the proxy drops its connections at once (no GOAWAY: a server
+    // killed, a proxy restarted); restored, it accepts new ones.
+    let proxy = TcpProxy::start(server.addr).await;
+    let client = Client::builder()
+        .endpoint(format!("http://{}", proxy.addr))
+        .connect_lazy()
+        .unwrap();
+    // The call right after the drop races the client's noticing it: hyper
+    // either cancels it ("connection closed", reported as CANCELLED) or
+    // reconnects first. Each round gives the race another chance; every
+    // call must get through on a later attempt.
+    for round in 0..30 {
+        let outcome = client.acquire(&request(&format!("before{round}"))).await;
+        assert!(
+            matches!(outcome, Ok(Acquisition::Proceed(_))),
+            "{outcome:?}"
+        );
+        proxy.cut().await;
+        proxy.restore().await;
+        let outcome = client.acquire(&request(&format!("after{round}"))).await;
+        assert!(
+            matches!(outcome, Ok(Acquisition::Proceed(_))),
+            "round {round}: {outcome:?}"
+        );
+    }
+    server.stop().await;
+}
+
 /// A client of a service that accepts connections and never answers (a hung
 /// process, a black-holed route): no refusal, no reset.
 async fn client_of_a_silent_service(batching: Option<idempotency_client::Batching>) -> Client {

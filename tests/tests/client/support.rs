@@ -15,9 +15,14 @@ pub fn client_of(server: &TestServer) -> Client {
 
 /// A client of an address where nothing listens, retrying briefly.
 pub async fn client_of_nothing() -> Client {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    drop(listener);
+    // A socket bound and never listening: connections to its port are
+    // refused, and while it stays bound (without SO_REUSEADDR, so no
+    // listener of a test running beside this one can share it) the port
+    // cannot be handed to another test's server, as a port freed here could.
+    let reserved = tokio::net::TcpSocket::new_v4().unwrap();
+    reserved.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = reserved.local_addr().unwrap();
+    std::mem::forget(reserved);
     Client::builder()
         .endpoint(format!("http://{addr}"))
         .connect_timeout(Duration::from_millis(200))
