@@ -130,14 +130,7 @@ impl FailureMark {
 /// Whether the call ran out of its time (tonic's `TimeoutExpired`, somewhere
 /// in the error's chain).
 fn timed_out(error: &(dyn StdError + 'static)) -> bool {
-    let mut cause = Some(error);
-    while let Some(error) = cause {
-        if error.is::<tonic::TimeoutExpired>() {
-            return true;
-        }
-        cause = error.source();
-    }
-    false
+    crate::error::causes(error).any(|cause| cause.is::<tonic::TimeoutExpired>())
 }
 
 #[cfg(test)]

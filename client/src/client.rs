@@ -623,15 +623,11 @@ impl ClientBuilder {
 
 /// An error and its sources: tonic's connection errors say only "transport
 /// error" at the top.
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    crate::error::causes(error)
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(": ")
 }
 
 #[cfg(test)]

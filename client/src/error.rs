@@ -132,20 +132,19 @@ pub use idempotency_proto::reason::NAMESPACE_FORBIDDEN;
 /// by a balancer), and tonic reports that as CANCELLED. The call is
 /// transient like any refused connection: the next attempt reconnects.
 pub(crate) fn is_dropped_connection(status: &Status) -> bool {
-    if status.code() != Code::Cancelled {
-        return false;
-    }
-    let mut cause = std::error::Error::source(status);
-    while let Some(error) = cause {
-        if error
-            .downcast_ref::<hyper::Error>()
-            .is_some_and(hyper::Error::is_canceled)
-        {
-            return true;
-        }
-        cause = error.source();
-    }
-    false
+    status.code() == Code::Cancelled
+        && causes(status).any(|cause| {
+            cause
+                .downcast_ref::<hyper::Error>()
+                .is_some_and(hyper::Error::is_canceled)
+        })
+}
+
+/// An error and the errors under it (its `source()`s), outermost first.
+pub(crate) fn causes<'a>(
+    error: &'a (dyn std::error::Error + 'static),
+) -> impl Iterator<Item = &'a (dyn std::error::Error + 'static)> {
+    std::iter::successors(Some(error), |error| error.source())
 }
 
 /// Codes worth retrying: every RPC of the service is idempotent, so a call

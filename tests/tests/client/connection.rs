@@ -70,29 +70,31 @@ async fn the_client_speaks_tls_to_a_server_whose_certificate_it_trusts() {
     server.abort();
 }
 
+/// A client balanced over two endpoints, with two attempts per call: a call
+/// whose first attempt draws an endpoint that went away must get its second
+/// to the live one.
+fn balanced_client(endpoints: [std::net::SocketAddr; 2]) -> Client {
+    Client::builder()
+        .endpoints(endpoints.map(|addr| format!("http://{addr}")))
+        .connect_lazy()
+        .unwrap()
+        .with_options(ClientOptions {
+            timeout: Duration::from_secs(2),
+            retry: RetryPolicy {
+                max_attempts: 2,
+                ..RetryPolicy::default()
+            },
+            ..ClientOptions::default()
+        })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn several_endpoints_are_balanced_and_one_going_away_is_survived() {
     // A database each, so that each server's rows show which calls it served.
     let (first_db, second_db) = (TestDb::new().await, TestDb::new().await);
     let first = TestServer::start(&first_db).await;
     let second = TestServer::start(&second_db).await;
-    let client = Client::builder()
-        .endpoints([
-            format!("http://{}", first.addr),
-            format!("http://{}", second.addr),
-        ])
-        .connect_lazy()
-        .unwrap()
-        .with_options(ClientOptions {
-            timeout: Duration::from_secs(2),
-            // Two attempts: a call whose first attempt draws the endpoint
-            // that went away must get its second to the live one.
-            retry: RetryPolicy {
-                max_attempts: 2,
-                ..RetryPolicy::default()
-            },
-            ..ClientOptions::default()
-        });
+    let client = balanced_client([first.addr, second.addr]);
     // Calls go to both servers (each call picks one at random, once both
     // are connected): stop as soon as each served one, or give up.
     for n in 0..200 {
@@ -135,21 +137,7 @@ async fn an_endpoint_that_comes_back_gets_calls_again() {
     // The first endpoint is a proxy: cut, its address refuses connections;
     // restored, it listens on the same address again.
     let proxy = TcpProxy::start(first.addr).await;
-    let client = Client::builder()
-        .endpoints([
-            format!("http://{}", proxy.addr),
-            format!("http://{}", second.addr),
-        ])
-        .connect_lazy()
-        .unwrap()
-        .with_options(ClientOptions {
-            timeout: Duration::from_secs(2),
-            retry: RetryPolicy {
-                max_attempts: 2,
-                ..RetryPolicy::default()
-            },
-            ..ClientOptions::default()
-        });
+    let client = balanced_client([proxy.addr, second.addr]);
     let mut n = 0;
     let mut acquire = async || {
         n += 1;
