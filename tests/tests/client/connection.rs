@@ -70,10 +70,10 @@ async fn the_client_speaks_tls_to_a_server_whose_certificate_it_trusts() {
     server.abort();
 }
 
-/// A client balanced over two endpoints, with two attempts per call: a call
+/// A client balanced over `endpoints`, with two attempts per call: a call
 /// whose first attempt draws an endpoint that went away must get its second
-/// to the live one.
-fn balanced_client(endpoints: [std::net::SocketAddr; 2]) -> Client {
+/// to a live one.
+fn balanced_client<const N: usize>(endpoints: [std::net::SocketAddr; N]) -> Client {
     Client::builder()
         .endpoints(endpoints.map(|addr| format!("http://{addr}")))
         .connect_lazy()
@@ -127,6 +127,49 @@ async fn several_endpoints_are_balanced_and_one_going_away_is_survived() {
             "{outcome:?}"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn of_three_endpoints_one_going_away_is_survived() {
+    // The balancer draws two of three per attempt. Once the stopped one
+    // refused a call, a draw that holds it takes the other: no attempt goes
+    // to it for 2 s, so every call's second attempt reaches a live server.
+    let dbs = [
+        TestDb::new().await,
+        TestDb::new().await,
+        TestDb::new().await,
+    ];
+    let servers = [
+        TestServer::start(&dbs[0]).await,
+        TestServer::start(&dbs[1]).await,
+        TestServer::start(&dbs[2]).await,
+    ];
+    let client = balanced_client(servers.each_ref().map(|server| server.addr));
+    let mut n = 0;
+    while dbs[0].row_count().await == 0 {
+        n += 1;
+        assert!(n < 300, "the first server got no call in 300");
+        let outcome = client.acquire(&request(&format!("three{n}"))).await;
+        assert!(
+            matches!(outcome, Ok(Acquisition::Proceed(_))),
+            "{outcome:?}"
+        );
+    }
+    let [first, second, third] = servers;
+    first.stop().await;
+
+    // Drawn at random, a third of first attempts and of retries would go to
+    // the stopped server: about one call in nine would fail both attempts.
+    for n in 0..40 {
+        let outcome = client.acquire(&request(&format!("of-three{n}"))).await;
+        assert!(
+            matches!(outcome, Ok(Acquisition::Proceed(_))),
+            "call {n}: {outcome:?}"
+        );
+    }
+    assert!(dbs[1].row_count().await > 0 && dbs[2].row_count().await > 0);
+    second.stop().await;
+    third.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
