@@ -253,6 +253,42 @@ async fn a_call_whose_connection_dropped_before_it_went_out_is_sent_again() {
     server.stop().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_an_outage_the_first_call_reconnects() {
+    // No waiting between reconnections (grpcio's would grow to two minutes
+    // and fail calls meanwhile: the Python client caps it): a call made as
+    // soon as the service is back reaches it, however long it was away.
+    let db = TestDb::new().await;
+    let server = TestServer::start(&db).await;
+    let proxy = TcpProxy::start(server.addr).await;
+    let client = Client::builder()
+        .endpoint(format!("http://{}", proxy.addr))
+        .retry(RetryPolicy::none())
+        .connect_lazy()
+        .unwrap();
+    let outcome = client.acquire(&request("before-the-outage")).await;
+    assert!(
+        matches!(outcome, Ok(Acquisition::Proceed(_))),
+        "{outcome:?}"
+    );
+    proxy.cut().await;
+    for n in 0..30 {
+        let outcome = client.acquire(&request(&format!("outage{n}"))).await;
+        assert!(
+            matches!(outcome, Err(Error::Unavailable { .. })),
+            "{outcome:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    proxy.restore().await;
+    let outcome = client.acquire(&request("after-the-outage")).await;
+    assert!(
+        matches!(outcome, Ok(Acquisition::Proceed(_))),
+        "{outcome:?}"
+    );
+    server.stop().await;
+}
+
 /// A client of a service that accepts connections and never answers (a hung
 /// process, a black-holed route): no refusal, no reset.
 async fn client_of_a_silent_service(batching: Option<idempotency_client::Batching>) -> Client {
