@@ -193,13 +193,39 @@ mod tests {
     #[test]
     fn a_cancelled_status_without_a_dropped_connection_behind_it_is_not_retried() {
         // What a server or a proxy answers as CANCELLED is theirs to say;
-        // only hyper's cancelled request (tested against a proxy that drops
-        // its connections, in tests/) is the transport's.
+        // only hyper's cancelled request (the test below, and a proxy that
+        // drops its connections in tests/) is the transport's.
         assert!(!is_dropped_connection(&Status::cancelled("stream reset")));
         assert!(!is_transient(Code::Cancelled));
         assert!(!is_dropped_connection(&Status::unavailable(
             "connection refused"
         )));
+    }
+
+    #[tokio::test]
+    async fn a_request_hyper_cancelled_as_its_connection_closed_is_a_dropped_connection() {
+        use hyper_util::rt::{TokioExecutor, TokioIo};
+        // An HTTP/2 connection whose task is dropped before it ran: the
+        // request still waits in its queue, and hyper cancels it unsent, as
+        // when a connection closes under requests not yet written.
+        let (io, _peer) = tokio::io::duplex(64 * 1024);
+        let (mut sender, connection) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(io))
+                .await
+                .unwrap();
+        let request = hyper::Request::post(
+            "http://idempotency.test/idempotency.v1.IdempotencyService/Acquire",
+        )
+        .body(tonic::body::Body::empty())
+        .unwrap();
+        let response = sender.send_request(request);
+        drop(connection);
+        let cancelled = response.await.unwrap_err();
+        assert!(cancelled.is_canceled(), "{cancelled:?}");
+        // As tonic's channel reports it: CANCELLED, hyper's error behind it.
+        let status = Status::from_error(Box::new(cancelled));
+        assert_eq!(status.code(), Code::Cancelled, "{status:?}");
+        assert!(is_dropped_connection(&status));
     }
 
     fn forbidden(namespace: &str) -> Status {
