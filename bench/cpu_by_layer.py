@@ -13,6 +13,8 @@ Reads `perf script -F ip,sym,dso` of a `perf record --call-graph dwarf` of one p
   other:      no known frame (libc, core, std alone).
 
 Inlined frames are skipped: a sample counts for the function it was compiled into.
+Dropping a value (`core::ptr::drop_in_place<T>`) counts for the crate of T; other
+generic frames of core, alloc and std (an `Arc`'s drop, say) count for their caller.
 The split says how much of a process's CPU its own code could give back at most
 (docs/performance.md, "Sixteen callers in lockstep").
 
@@ -38,10 +40,14 @@ LAYERS = [
 # type does (`<h2::proto::... as ...>`).
 LAYERS = [(name, re.compile(r"^<?" + crate)) for name, crate in LAYERS]
 ALLOCATOR = re.compile(
-    r"^(_int_malloc|malloc|_int_free|cfree|unlink_chunk|malloc_consolidate|realloc|"
-    r"_int_realloc|__libc_calloc|__posix_memalign|_mid_memalign|__GI___libc_(malloc|free|realloc))"
+    r"^(__GI_)?(__libc_)?(malloc|free|cfree|calloc|realloc|memalign|posix_memalign|"
+    r"aligned_alloc)\b|^(__posix_memalign|_int_\w+|sysmalloc|tcache_\w+|unlink_chunk|"
+    r"malloc_consolidate|_mid_memalign)"
 )
+# `ip symbol (dso)`; an inlined frame's "dso" reads `inlined`.
 FRAME = re.compile(r"\s*[0-9a-f]+ (.*) \(([^)]*)\)$")
+# Dropping a value counts for the crate of its type.
+DROP = re.compile(r"^core::ptr::drop_in_place<&?(mut )?")
 
 
 def layer(stack):
@@ -51,9 +57,10 @@ def layer(stack):
         return "kernel"
     if ALLOCATOR.match(symbol):
         return "allocator"
-    for symbol, _ in stack:
-        if "(inlined)" in symbol:
+    for symbol, dso in stack:
+        if dso == "inlined":
             continue
+        symbol = DROP.sub("", symbol)
         for name, crate in LAYERS:
             if crate.match(symbol):
                 return name

@@ -222,7 +222,7 @@ mod tests {
         drop(connection);
         let cancelled = response.await.unwrap_err();
         assert!(cancelled.is_canceled(), "{cancelled:?}");
-        // As tonic's channel reports it: CANCELLED, hyper's error behind it.
+        // As tonic's `Status::from_error` reports it: CANCELLED, hyper's error behind it.
         let status = Status::from_error(Box::new(cancelled));
         assert_eq!(status.code(), Code::Cancelled, "{status:?}");
         assert!(is_dropped_connection(&status));

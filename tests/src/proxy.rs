@@ -2,20 +2,24 @@ use std::{net::SocketAddr, sync::Arc};
 
 use tokio::{
     io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt},
-    net::{TcpListener, TcpStream},
+    net::{TcpListener, TcpSocket, TcpStream},
     sync::{Mutex, watch},
     task::JoinHandle,
 };
 
 /// A TCP proxy in front of Postgres. `cut` closes every connection and
 /// refuses new ones, as a database outage would; `restore` listens again on
-/// the same port. `freeze` stops forwarding without closing anything (new
+/// the same port, which stays bound meanwhile (no other test's listener can
+/// be handed it). `freeze` stops forwarding without closing anything (new
 /// connections are accepted and then hang), as when the database's host
 /// stops answering or its processes are stopped; `thaw` resumes.
 pub struct TcpProxy {
     pub addr: SocketAddr,
     upstream: SocketAddr,
     acceptor: Mutex<Option<JoinHandle<()>>>,
+    /// While cut: the port, bound and not listening, so that connections to
+    /// it are refused.
+    held: Mutex<Option<TcpSocket>>,
     connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
     frozen: watch::Sender<bool>,
 }
@@ -54,6 +58,7 @@ impl TcpProxy {
             addr,
             upstream,
             acceptor: Mutex::new(None),
+            held: Mutex::new(None),
             connections: Arc::default(),
             frozen: watch::Sender::new(false),
         };
@@ -85,15 +90,25 @@ impl TcpProxy {
         *self.acceptor.lock().await = Some(acceptor);
     }
 
-    /// Drops every connection and stops listening.
+    /// Drops every connection and stops listening; the port stays bound.
     pub async fn cut(&self) {
         if let Some(acceptor) = self.acceptor.lock().await.take() {
             acceptor.abort();
             let _ = acceptor.await;
+            *self.held.lock().await = Some(self.bind());
         }
         for connection in self.connections.lock().await.drain(..) {
             connection.abort();
         }
+    }
+
+    /// The proxy's port, bound. Reusing the address, as a listener does:
+    /// the proxy's closed connections linger on it in TIME_WAIT.
+    fn bind(&self) -> TcpSocket {
+        let socket = TcpSocket::new_v4().unwrap();
+        socket.set_reuseaddr(true).unwrap();
+        socket.bind(self.addr).unwrap();
+        socket
     }
 
     /// Stops forwarding bytes, in both directions and on every connection,
@@ -109,7 +124,8 @@ impl TcpProxy {
 
     /// Listens again on the same address.
     pub async fn restore(&self) {
-        let listener = TcpListener::bind(self.addr).await.unwrap();
+        let socket = self.held.lock().await.take();
+        let listener = socket.unwrap_or_else(|| self.bind()).listen(1024).unwrap();
         self.listen(listener).await;
     }
 }

@@ -1,6 +1,7 @@
 """The client's connection going away under it: a server restarted, a proxy
 or load balancer dropping its connections. The next calls must get through
-(grpcio reconnects; what fails meanwhile is retried as transient)."""
+(grpcio reconnects; what fails meanwhile is retried as transient). And the
+channel options a caller gives."""
 
 from __future__ import annotations
 
@@ -49,9 +50,10 @@ class TcpProxy:
         return f"127.0.0.1:{self.port}"
 
     def restore(self) -> None:
-        self._refusing = False
-        if self._listener is not None:
-            return
+        with self._lock:
+            self._refusing = False
+            if self._listener is not None:
+                return
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", self.port))
@@ -82,8 +84,10 @@ class TcpProxy:
                 downstream, _ = listener.accept()
             except OSError:
                 return
-            if self._refusing:
-                self.refused += 1
+            with self._lock:
+                refusing = self._refusing
+            if refusing:
+                self.refused += 1  # only this thread writes it
                 _close(downstream)
                 continue
             try:
@@ -92,10 +96,11 @@ class TcpProxy:
                 _close(downstream)
                 continue
             with self._lock:
-                if self._listener is not listener:  # cut meanwhile
+                # Cut, or refusing, since it was accepted: it must not outlive that.
+                if self._listener is not listener or self._refusing:
                     _close(downstream)
                     _close(upstream)
-                    return
+                    continue
                 self._open.update((downstream, upstream))
             for source, sink in ((downstream, upstream), (upstream, downstream)):
                 threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
@@ -165,7 +170,7 @@ def test_after_an_outage_the_client_reconnects_within_a_second_or_so(server: Ser
         with Client(proxy.target, timeout=2, retry=NO_RETRIES) as client:
             assert isinstance(_acquire(client, "up"), Acquired)
             proxy.refuse()
-            # Six failed reconnections: with grpcio's defaults about 16 s
+            # Six failed reconnections: with grpcio's defaults 14-16 s
             # of outage, and a next wait of about 10 s.
             give_up = time.monotonic() + 60
             while proxy.refused < 6:
@@ -188,13 +193,13 @@ def test_after_an_outage_the_client_reconnects_within_a_second_or_so(server: Ser
 
 def test_channel_options_replace_the_clients_defaults(server: Server) -> None:
     # The client sets no cap on answers (-1); a caller's cap must win.
-    id = record_id(f"big-{uuid.uuid4()}")
+    record = record_id(f"big-{uuid.uuid4()}")
     with Client(server.target) as client:
-        acquired = client.acquire(AcquireRequest(id, b"fingerprint"))
+        acquired = client.acquire(AcquireRequest(record, b"fingerprint"))
         assert isinstance(acquired, Acquired)
-        client.complete(id, acquired.fencing_token, StoredResponse(200, b"x" * 8192))
+        client.complete(record, acquired.fencing_token, StoredResponse(200, b"x" * 8192))
     capped = Client(server.target, retry=NO_RETRIES, channel_options=[("grpc.max_receive_message_length", 1024)])
     with capped:
-        with pytest.raises(Unavailable) as refused:
-            capped.acquire(AcquireRequest(id, b"fingerprint"))
-    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(Unavailable) as too_large:
+            capped.acquire(AcquireRequest(record, b"fingerprint"))
+    assert too_large.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED

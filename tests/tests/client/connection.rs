@@ -257,7 +257,7 @@ async fn a_call_whose_connection_dropped_before_it_went_out_is_sent_again() {
 async fn after_an_outage_the_first_call_reconnects() {
     // No waiting between reconnections (grpcio's would grow to two minutes
     // and fail calls meanwhile: the Python client caps it): a call made as
-    // soon as the service is back reaches it, however long it was away.
+    // soon as the service is back reaches it, here after 3 s away.
     let db = TestDb::new().await;
     let server = TestServer::start(&db).await;
     let proxy = TcpProxy::start(server.addr).await;

@@ -91,7 +91,8 @@ class Client(RunMixin):
     worst case, 7 s by default); ``retry`` the retries of transient errors.
     ``channel_options`` are gRPC channel arguments; each replaces the
     client's own of the same name (no cap on answers, keepalive every 30 s,
-    reconnection waits of 0.1 s growing to at most 1 s).
+    reconnection waits of 0.1 s growing to at most 1 s), and of a name given
+    twice the last counts.
     """
 
     def __init__(
