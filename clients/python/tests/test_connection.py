@@ -32,7 +32,7 @@ class TcpProxy:
     restarted proxy does); ``refuse()`` does too but keeps listening and
     closes each connection it accepts at once, counting them in ``refused``
     (each is one attempt of the client to reconnect); ``restore()`` forwards
-    again, on the same port."""
+    again, on the same port. ``forwarded`` counts the connections forwarded."""
 
     def __init__(self, target: str) -> None:
         host, port = target.rsplit(":", 1)
@@ -42,6 +42,7 @@ class TcpProxy:
         self._listener: Optional[socket.socket] = None
         self._refusing = False
         self.refused = 0
+        self.forwarded = 0
         self.port = 0
         self.restore()
 
@@ -102,6 +103,7 @@ class TcpProxy:
                     _close(upstream)
                     continue
                 self._open.update((downstream, upstream))
+                self.forwarded += 1
             for source, sink in ((downstream, upstream), (upstream, downstream)):
                 threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
 
@@ -203,3 +205,25 @@ def test_channel_options_replace_the_clients_defaults(server: Server) -> None:
         with pytest.raises(Unavailable) as too_large:
             capped.acquire(AcquireRequest(record, b"fingerprint"))
     assert too_large.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_calls_go_on_across_the_servers_connection_age() -> None:
+    # The server ends each connection after --max-connection-age with a
+    # GOAWAY (README): calls in flight finish and the client reconnects, so
+    # none fails, even without retries.
+    aging = Server(["--max-connection-age", "300ms"])
+    proxy = TcpProxy(aging.target)
+    try:
+        with Client(proxy.target, timeout=5, retry=NO_RETRIES) as client:
+            ends = time.monotonic() + 2
+            calls = 0
+            while time.monotonic() < ends:
+                assert isinstance(_acquire(client, f"aging{calls}"), Acquired), f"call {calls}"
+                calls += 1
+                time.sleep(0.02)
+        assert calls > 20
+        # The calls did cross connections' ends (about one every 0.3 s).
+        assert proxy.forwarded >= 3, proxy.forwarded
+    finally:
+        proxy.cut()
+        aging.stop()
