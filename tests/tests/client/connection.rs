@@ -121,11 +121,7 @@ async fn several_endpoints_are_balanced_and_one_going_away_is_survived() {
     // Drawn at random, each of two attempts would go to the stopped server
     // half the time: a quarter of these calls would fail.
     for n in 0..20 {
-        let outcome = client.acquire(&request(&format!("survivor{n}"))).await;
-        assert!(
-            matches!(outcome, Ok(Acquisition::Proceed(_))),
-            "{outcome:?}"
-        );
+        proceed(&client, &request(&format!("survivor{n}"))).await;
     }
 }
 
@@ -149,11 +145,7 @@ async fn of_three_endpoints_one_going_away_is_survived() {
     while dbs[0].row_count().await == 0 {
         n += 1;
         assert!(n < 300, "the first server got no call in 300");
-        let outcome = client.acquire(&request(&format!("three{n}"))).await;
-        assert!(
-            matches!(outcome, Ok(Acquisition::Proceed(_))),
-            "{outcome:?}"
-        );
+        proceed(&client, &request(&format!("three{n}"))).await;
     }
     let [first, second, third] = servers;
     first.stop().await;
@@ -161,11 +153,7 @@ async fn of_three_endpoints_one_going_away_is_survived() {
     // Drawn at random, a third of first attempts and of retries would go to
     // the stopped server: about one call in nine would fail both attempts.
     for n in 0..40 {
-        let outcome = client.acquire(&request(&format!("of-three{n}"))).await;
-        assert!(
-            matches!(outcome, Ok(Acquisition::Proceed(_))),
-            "call {n}: {outcome:?}"
-        );
+        proceed(&client, &request(&format!("of-three{n}"))).await;
     }
     assert!(dbs[1].row_count().await > 0 && dbs[2].row_count().await > 0);
     second.stop().await;
@@ -184,11 +172,7 @@ async fn an_endpoint_that_comes_back_gets_calls_again() {
     let mut n = 0;
     let mut acquire = async || {
         n += 1;
-        let outcome = client.acquire(&request(&format!("back{n}"))).await;
-        assert!(
-            matches!(outcome, Ok(Acquisition::Proceed(_))),
-            "call {n}: {outcome:?}"
-        );
+        proceed(&client, &request(&format!("back{n}"))).await;
     };
     while first_db.row_count().await == 0 {
         acquire().await;
@@ -228,27 +212,16 @@ async fn a_call_whose_connection_dropped_before_it_went_out_is_sent_again() {
     // Cut, the proxy drops its connections at once (no GOAWAY: a server
     // killed, a proxy restarted); restored, it accepts new ones.
     let proxy = TcpProxy::start(server.addr).await;
-    let client = Client::builder()
-        .endpoint(format!("http://{}", proxy.addr))
-        .connect_lazy()
-        .unwrap();
+    let client = client_at(proxy.addr);
     // The call right after the drop races the client's noticing it: hyper
     // either cancels it ("connection closed", reported as CANCELLED) or
     // reconnects first. Each round gives the race another chance; every
     // call must get through on a later attempt.
     for round in 0..30 {
-        let outcome = client.acquire(&request(&format!("before{round}"))).await;
-        assert!(
-            matches!(outcome, Ok(Acquisition::Proceed(_))),
-            "{outcome:?}"
-        );
+        proceed(&client, &request(&format!("before{round}"))).await;
         proxy.cut().await;
         proxy.restore().await;
-        let outcome = client.acquire(&request(&format!("after{round}"))).await;
-        assert!(
-            matches!(outcome, Ok(Acquisition::Proceed(_))),
-            "round {round}: {outcome:?}"
-        );
+        proceed(&client, &request(&format!("after{round}"))).await;
     }
     server.stop().await;
 }
@@ -261,16 +234,11 @@ async fn after_an_outage_the_first_call_reconnects() {
     let db = TestDb::new().await;
     let server = TestServer::start(&db).await;
     let proxy = TcpProxy::start(server.addr).await;
-    let client = Client::builder()
-        .endpoint(format!("http://{}", proxy.addr))
-        .retry(RetryPolicy::none())
-        .connect_lazy()
-        .unwrap();
-    let outcome = client.acquire(&request("before-the-outage")).await;
-    assert!(
-        matches!(outcome, Ok(Acquisition::Proceed(_))),
-        "{outcome:?}"
-    );
+    let client = client_at(proxy.addr).with_options(ClientOptions {
+        retry: RetryPolicy::none(),
+        ..ClientOptions::default()
+    });
+    proceed(&client, &request("before-the-outage")).await;
     proxy.cut().await;
     for n in 0..30 {
         let outcome = client.acquire(&request(&format!("outage{n}"))).await;
@@ -281,11 +249,7 @@ async fn after_an_outage_the_first_call_reconnects() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     proxy.restore().await;
-    let outcome = client.acquire(&request("after-the-outage")).await;
-    assert!(
-        matches!(outcome, Ok(Acquisition::Proceed(_))),
-        "{outcome:?}"
-    );
+    proceed(&client, &request("after-the-outage")).await;
     server.stop().await;
 }
 

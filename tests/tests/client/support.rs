@@ -7,8 +7,14 @@ use idempotency_tests::{TestServer, unique_key};
 
 /// A client of `server` with default options.
 pub fn client_of(server: &TestServer) -> Client {
+    client_at(server.addr)
+}
+
+/// A client of `addr` (a server, or a proxy in front of one) with default
+/// options.
+pub fn client_at(addr: std::net::SocketAddr) -> Client {
     Client::builder()
-        .endpoint(format!("http://{}", server.addr))
+        .endpoint(format!("http://{addr}"))
         .connect_lazy()
         .unwrap()
 }
@@ -50,9 +56,10 @@ pub fn request(label: &str) -> AcquireRequest {
 /// Acquires a key the caller expects to hold (free, or taken over), and
 /// returns its lease.
 pub async fn proceed(client: &Client, request: &AcquireRequest) -> Lease {
-    match client.acquire(request).await.unwrap() {
-        Acquisition::Proceed(lease) => lease,
-        other => panic!("expected to proceed, got {other:?}"),
+    let key = &request.id.key;
+    match client.acquire(request).await {
+        Ok(Acquisition::Proceed(lease)) => lease,
+        other => panic!("{key}: expected to proceed, got {other:?}"),
     }
 }
 
