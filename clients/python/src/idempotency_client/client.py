@@ -124,10 +124,11 @@ class Client(RunMixin):
             "grpc.max_reconnect_backoff_ms": 1_000,
         }
         options.update(channel_options)
+        arguments = list(options.items())
         if credentials is not None:
-            self._channel = grpc.secure_channel(address, credentials, options=list(options.items()))
+            self._channel = grpc.secure_channel(address, credentials, options=arguments)
         else:
-            self._channel = grpc.insecure_channel(address, options=list(options.items()))
+            self._channel = grpc.insecure_channel(address, options=arguments)
         self._stub = idempotency_pb2_grpc.IdempotencyServiceStub(self._channel)
         self._token = token
         self.timeout = seconds(timeout)
