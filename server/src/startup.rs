@@ -43,6 +43,7 @@ use crate::{
         auth::{AuthLayer, Authorizer},
         connections,
         deadline::DeadlineLayer,
+        metrics::CallSeries,
         pb,
         service::IdempotencyServiceServer,
         trace::TraceLayer,
@@ -363,7 +364,7 @@ fn api(
     pool: PgPool,
     recorder: &MetricsRecorder,
     security: &Security,
-) -> (IdempotencyServiceServer<GrpcService>, NamespaceLabels) {
+) -> (IdempotencyServiceServer<GrpcService>, CallSeries) {
     let store = match settings.batch_settings() {
         Some(batching) => Store::with_batching(pool, batching),
         None => Store::new(pool),
@@ -372,7 +373,10 @@ fn api(
     if let Some(cache) = settings.replay_cache_settings() {
         engine = engine.with_replay_cache(ReplayCache::new(cache, recorder));
     }
-    let namespaces = NamespaceLabels::new(settings.metrics_max_namespaces);
+    let namespaces = CallSeries::new(
+        NamespaceLabels::new(settings.metrics_max_namespaces),
+        recorder,
+    );
     let authorizer = Authorizer::new(security.auth.clone());
     let api =
         IdempotencyServiceServer::new(GrpcService::new(engine, namespaces.clone(), authorizer))
@@ -384,7 +388,7 @@ fn api(
 /// deadline and its admission, in front of health, reflection and the API.
 fn grpc_server(
     settings: &Settings,
-    (api, namespaces): (IdempotencyServiceServer<GrpcService>, NamespaceLabels),
+    (api, namespaces): (IdempotencyServiceServer<GrpcService>, CallSeries),
     security: &Security,
     recorder: &MetricsRecorder,
     listener: TcpListener,

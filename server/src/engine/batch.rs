@@ -175,7 +175,8 @@ where
 /// items before it were answered and sees what they did, as a unary call
 /// sent after theirs would. Positions, in item order within each round.
 fn rounds<T>(items: &[T], record: impl Fn(&T) -> &RecordId) -> Vec<Vec<usize>> {
-    let mut seen: HashMap<&RecordId, usize> = HashMap::new();
+    // Keyed (seeded per process), as records are the callers' to choose.
+    let mut seen: HashMap<&RecordId, usize, foldhash::fast::RandomState> = HashMap::default();
     let mut rounds: Vec<Vec<usize>> = Vec::new();
     for (position, item) in items.iter().enumerate() {
         let round = seen.entry(record(item)).or_insert(0);

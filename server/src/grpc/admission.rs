@@ -40,14 +40,11 @@ use http_body_util::BodyExt as _;
 use tonic::{Code, Status, body::Body};
 
 use super::{
-    metrics::CallMetrics,
+    metrics::{CallMetrics, CallSeries},
     status::{reason, to_status, with_reason},
     wire,
 };
-use crate::{
-    domain::InvalidField, domain::Limits, metrics, metrics::NamespaceLabels,
-    telemetry::MetricsRecorder,
-};
+use crate::{domain::InvalidField, domain::Limits, metrics, telemetry::MetricsRecorder};
 
 /// What a call costs beyond its messages: its HTTP/2 stream, request and
 /// task state. bench/connections.py measured 9.1 KiB of server RSS per call
@@ -269,11 +266,11 @@ pub struct AdmissionLayer {
 struct Rules {
     limits: Limits,
     budget: Arc<MemoryBudget>,
-    namespaces: NamespaceLabels,
+    namespaces: CallSeries,
 }
 
 impl AdmissionLayer {
-    pub fn new(limits: Limits, budget: Arc<MemoryBudget>, namespaces: NamespaceLabels) -> Self {
+    pub fn new(limits: Limits, budget: Arc<MemoryBudget>, namespaces: CallSeries) -> Self {
         Self {
             rules: Arc::new(Rules {
                 limits,
@@ -550,7 +547,7 @@ mod tests {
     use prost::Message;
 
     use super::*;
-    use crate::grpc::pb;
+    use crate::{grpc::pb, metrics::NamespaceLabels};
 
     fn framed(message: &impl Message) -> Bytes {
         let encoded = message.encode_to_vec();
@@ -564,7 +561,7 @@ mod tests {
         Rules {
             limits: Limits::default(),
             budget: MemoryBudget::new(budget, &MetricsRecorder::install()),
-            namespaces: NamespaceLabels::new(10),
+            namespaces: CallSeries::new(NamespaceLabels::new(10), &MetricsRecorder::install()),
         }
     }
 

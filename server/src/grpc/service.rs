@@ -14,7 +14,7 @@ use tonic::{Request, Response, Status};
 use super::{
     auth::{Authorizer, Caller},
     convert,
-    metrics::{CallMetrics, record_batch_items},
+    metrics::{CallMetrics, CallSeries, record_batch_items},
     pb,
     status::{batch_reply_full, to_rpc_status, to_status},
 };
@@ -22,7 +22,6 @@ use crate::{
     domain::{AcquireOutcome, InvalidField, RecordId, Timestamp},
     engine::{AcquireRequest, CompleteRequest, Engine},
     error::Error,
-    metrics::NamespaceLabels,
     security::policy::Access,
 };
 
@@ -32,7 +31,7 @@ pub use pb::idempotency_service_server::IdempotencyServiceServer;
 #[derive(Debug, Clone)]
 pub struct GrpcService {
     engine: Engine,
-    namespaces: NamespaceLabels,
+    namespaces: CallSeries,
     authorizer: Authorizer,
 }
 
@@ -49,7 +48,7 @@ fn failed<T>(call: &mut CallMetrics<'_>, error: Error) -> Result<T, Status> {
 }
 
 impl GrpcService {
-    pub fn new(engine: Engine, namespaces: NamespaceLabels, authorizer: Authorizer) -> Self {
+    pub fn new(engine: Engine, namespaces: CallSeries, authorizer: Authorizer) -> Self {
         Self {
             engine,
             namespaces,

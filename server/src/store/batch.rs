@@ -51,7 +51,7 @@
 use std::{
     collections::{HashSet, VecDeque},
     future::Future,
-    hash::{BuildHasher, RandomState},
+    hash::BuildHasher,
     pin::Pin,
     sync::{
         Arc, Mutex, MutexGuard, PoisonError,
@@ -354,13 +354,20 @@ struct Queue<I, O> {
     state: Mutex<Queued<I, O>>,
     /// Wakes a worker waiting for calls.
     arrived: Notify,
-    hasher: RandomState,
+    /// Hashes a call's record to the `u64` that stands for it here. Keyed
+    /// (seeded per process): records are the callers' to choose, and two
+    /// that collide only wait for each other's statements.
+    hasher: foldhash::fast::RandomState,
 }
+
+/// Records by their hash ([`Queue::hasher`]): already spread, so a cheap
+/// hasher serves.
+type Records = HashSet<u64, foldhash::fast::RandomState>;
 
 struct Queued<I, O> {
     units: VecDeque<Vec<Job<I, O>>>,
     /// The records of the statements running now: their calls wait.
-    held: HashSet<u64>,
+    held: Records,
     /// The batcher was dropped: its workers stop.
     closed: bool,
 }
@@ -370,11 +377,11 @@ impl<I, O> Default for Queue<I, O> {
         Self {
             state: Mutex::new(Queued {
                 units: VecDeque::new(),
-                held: HashSet::new(),
+                held: Records::default(),
                 closed: false,
             }),
             arrived: Notify::new(),
-            hasher: RandomState::new(),
+            hasher: Default::default(),
         }
     }
 }
@@ -745,17 +752,17 @@ struct Batch<'q, I, O> {
     jobs: Vec<Job<I, O>>,
     /// The records the batch holds or deferred a call of: a record's later
     /// calls are deferred too, so that they keep their order.
-    records: HashSet<u64>,
+    records: Records,
     /// The records of the statements running now.
-    held: &'q HashSet<u64>,
+    held: &'q Records,
     max_size: usize,
 }
 
 impl<'q, I, O> Batch<'q, I, O> {
-    fn new(max_size: usize, held: &'q HashSet<u64>) -> Self {
+    fn new(max_size: usize, held: &'q Records) -> Self {
         Self {
             jobs: Vec::with_capacity(max_size),
-            records: HashSet::new(),
+            records: Records::default(),
             held,
             max_size,
         }
@@ -775,7 +782,7 @@ impl<'q, I, O> Batch<'q, I, O> {
         if self.jobs.is_empty() || unit.len() <= room {
             return true;
         }
-        let mut new = HashSet::new();
+        let mut new = Records::default();
         let new_records = unit
             .iter()
             .filter(|job| job.wanted() && self.is_new(job.record))

@@ -11,9 +11,10 @@ use idempotency_client::{
 use idempotency_server::{
     domain::Limits,
     engine::Engine,
-    grpc::{GrpcService, pb, service::IdempotencyServiceServer},
+    grpc::{GrpcService, metrics::CallSeries, pb, service::IdempotencyServiceServer},
     metrics::NamespaceLabels,
     store::Store,
+    telemetry::MetricsRecorder,
 };
 use idempotency_tests::{
     TestDb, TestServer, http_get, lock_record, metric_value, spawn_app, spawn_app_with, unique_key,
@@ -340,7 +341,7 @@ async fn a_server_without_batch_rpcs_is_served_call_by_call() {
     );
     let service = WithoutBatches(GrpcService::new(
         engine,
-        NamespaceLabels::new(10),
+        CallSeries::new(NamespaceLabels::new(10), &MetricsRecorder::install()),
         idempotency_server::grpc::auth::Authorizer::default(),
     ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -33,7 +33,10 @@ async fn the_client_speaks_tls_to_a_server_whose_certificate_it_trusts() {
             .unwrap()
             .add_service(IdempotencyServiceServer::new(GrpcService::new(
                 engine,
-                idempotency_server::metrics::NamespaceLabels::new(10),
+                idempotency_server::grpc::metrics::CallSeries::new(
+                    idempotency_server::metrics::NamespaceLabels::new(10),
+                    &idempotency_server::telemetry::MetricsRecorder::install(),
+                ),
                 idempotency_server::grpc::auth::Authorizer::default(),
             )))
             .serve_with_incoming(TcpIncoming::from(listener)),
