@@ -191,8 +191,8 @@ vmhwm_kb() { awk '/^VmHWM:/ { print $2 }' "/proc/$server_pid/status"; }
 wal_lsn() { sql "SELECT pg_current_wal_insert_lsn()"; }
 wal_since() { sql "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '$1')::bigint"; }
 
-# Before each measurement: with vacuum_first=1 a VACUUM (the auth part, see
-# there), a checkpoint (none falls due mid-run), then, with
+# Before each measurement: with vacuum_first=1 a VACUUM (the new-keys and
+# auth parts, see there), a checkpoint (none falls due mid-run), then, with
 # BENCH_WAIT_QUIET, a wait for other work on the machine to calm down.
 vacuum_first=0
 settle() {
@@ -255,6 +255,14 @@ run_service() { # scenario label concurrency rep extra-args...
 
 say "$repeats x ${seconds}s per measurement; parts: $only; concurrency: $concurrencies, auth $auth_concurrencies"
 if part new-keys; then
+  # No autovacuum here either, a VACUUM before each measurement instead (as
+  # in the auth part below). Each of the ceiling's runs updates some 600,000
+  # rows, so an autovacuum fell due every measurement or two and landed on
+  # whichever ran then, often the service's run right after the ceiling's:
+  # in the nineteenth run (docs/performance.md) the repetitions that wrote
+  # 7-50 kB of WAL per pair instead of about 1 kB were the slowest of their row.
+  sql "ALTER TABLE idempotency_records SET (autovacuum_enabled = false)"
+  vacuum_first=1
   for c in $concurrencies; do
     for rep in $(seq "$repeats"); do
       run_pgbench new-keys bench/pgbench/new_key_pair.sql "$c" "$rep" -D "payload=$payload"
@@ -263,6 +271,8 @@ if part new-keys; then
       run_service new-keys new-keys "$c" "$rep"
     done
   done
+  vacuum_first=0
+  sql "ALTER TABLE idempotency_records RESET (autovacuum_enabled)"
 fi
 if part replay; then
   # Vacuum now, so that autovacuum does not pick the replay runs to clean up
