@@ -259,8 +259,9 @@ if part new-keys; then
   # in the auth part below). Each of the ceiling's runs updates some 600,000
   # rows, so an autovacuum fell due every measurement or two and landed on
   # whichever ran then, often the service's run right after the ceiling's:
-  # in the nineteenth run (docs/performance.md) the repetitions that wrote
-  # 7-50 kB of WAL per pair instead of about 1 kB were the slowest of their row.
+  # in the nineteenth run (docs/performance.md) the service's repetitions that
+  # wrote 10-52 kB of WAL per pair instead of about 1 kB were the slowest of
+  # their rows.
   sql "ALTER TABLE idempotency_records SET (autovacuum_enabled = false)"
   vacuum_first=1
   for c in $concurrencies; do
