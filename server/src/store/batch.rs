@@ -355,9 +355,10 @@ struct Queue<I, O> {
     /// Wakes a worker waiting for calls.
     arrived: Notify,
     /// Hashes a call's record to the `u64` that stands for it here. Keyed
-    /// (seeded per process): records are the callers' to choose, and two
-    /// that collide only wait for each other's statements.
-    hasher: foldhash::fast::RandomState,
+    /// (seeded per process), and foldhash's stronger variant: records are
+    /// the callers' to choose, and two that collide, of any namespaces,
+    /// wait for each other's statements.
+    hasher: foldhash::quality::RandomState,
 }
 
 /// Records by their hash ([`Queue::hasher`]): already spread, so a cheap
