@@ -244,8 +244,9 @@ mod tests {
     use super::*;
 
     /// The handles kept per series still count where the recorder exports:
-    /// each call once, under its own labels, and a namespace beyond the
-    /// cap under `_other`. (The recorder is the process's; the RPC name
+    /// each call once, under its own labels, an event by namespace (a
+    /// fingerprint mismatch) too, and a namespace beyond the cap under
+    /// `_other`. (The recorder is the process's; the RPC name
     /// keeps these series apart from other tests'.)
     #[test]
     fn calls_count_in_their_own_series() {
@@ -262,6 +263,10 @@ mod tests {
             call.finish(&result);
         }
         drop(CallMetrics::start("SeriesTest", &series));
+        let mut mismatch = CallMetrics::start("SeriesTest", &series);
+        mismatch.namespace("series-a");
+        mismatch.acquire_outcome(&AcquireOutcome::FingerprintMismatch);
+        drop(mismatch);
 
         let text = recorder.handle().render();
         let requests = |outcome: &str, namespace: &str| {
@@ -274,6 +279,11 @@ mod tests {
             (requests("ok", "_other"), 1),
             (requests("not_found", "series-a"), 1),
             (requests("cancelled", "_invalid"), 1),
+            (requests("fingerprint_mismatch", "series-a"), 1),
+            (
+                "idempotency_fingerprint_mismatches_total{namespace=\"series-a\"}".to_owned(),
+                1,
+            ),
             (
                 "idempotency_request_duration_seconds_count{rpc=\"SeriesTest\",outcome=\"ok\"}"
                     .to_owned(),
