@@ -358,7 +358,7 @@ async fn health_not_serving(
 }
 
 /// The idempotency API over `pool`: store, engine and replay cache, behind
-/// the authorizer; and its namespace labels, which admission shares.
+/// the authorizer; and its per-call metric series, which admission shares.
 fn api(
     settings: &Settings,
     pool: PgPool,
@@ -373,22 +373,21 @@ fn api(
     if let Some(cache) = settings.replay_cache_settings() {
         engine = engine.with_replay_cache(ReplayCache::new(cache, recorder));
     }
-    let namespaces = CallSeries::new(
+    let series = CallSeries::new(
         NamespaceLabels::new(settings.metrics_max_namespaces),
         recorder,
     );
     let authorizer = Authorizer::new(security.auth.clone());
-    let api =
-        IdempotencyServiceServer::new(GrpcService::new(engine, namespaces.clone(), authorizer))
-            .max_decoding_message_size(settings.limits().max_message_bytes());
-    (api, namespaces)
+    let api = IdempotencyServiceServer::new(GrpcService::new(engine, series.clone(), authorizer))
+        .max_decoding_message_size(settings.limits().max_message_bytes());
+    (api, series)
 }
 
 /// The gRPC port: its connection limits, then for each call who calls, its
 /// deadline and its admission, in front of health, reflection and the API.
 fn grpc_server(
     settings: &Settings,
-    (api, namespaces): (IdempotencyServiceServer<GrpcService>, CallSeries),
+    (api, series): (IdempotencyServiceServer<GrpcService>, CallSeries),
     security: &Security,
     recorder: &MetricsRecorder,
     listener: TcpListener,
@@ -410,7 +409,7 @@ fn grpc_server(
     let admission = AdmissionLayer::new(
         settings.limits(),
         MemoryBudget::new(settings.max_in_flight_bytes, recorder),
-        namespaces,
+        series,
     );
     let connections = settings.connections.settings();
     let router = connections

@@ -266,16 +266,16 @@ pub struct AdmissionLayer {
 struct Rules {
     limits: Limits,
     budget: Arc<MemoryBudget>,
-    namespaces: CallSeries,
+    series: CallSeries,
 }
 
 impl AdmissionLayer {
-    pub fn new(limits: Limits, budget: Arc<MemoryBudget>, namespaces: CallSeries) -> Self {
+    pub fn new(limits: Limits, budget: Arc<MemoryBudget>, series: CallSeries) -> Self {
         Self {
             rules: Arc::new(Rules {
                 limits,
                 budget,
-                namespaces,
+                series,
             }),
         }
     }
@@ -336,7 +336,7 @@ where
                     }))
                 }
                 Err(status) => {
-                    CallMetrics::start(method.rpc(), &rules.namespaces)
+                    CallMetrics::start(method.rpc(), &rules.series)
                         .finish(&Err::<(), _>(status.clone()));
                     Ok(status.into_http())
                 }
@@ -561,7 +561,7 @@ mod tests {
         Rules {
             limits: Limits::default(),
             budget: MemoryBudget::new(budget, &MetricsRecorder::install()),
-            namespaces: CallSeries::new(NamespaceLabels::new(10), &MetricsRecorder::install()),
+            series: CallSeries::new(NamespaceLabels::new(10), &MetricsRecorder::install()),
         }
     }
 

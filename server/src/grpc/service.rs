@@ -31,7 +31,7 @@ pub use pb::idempotency_service_server::IdempotencyServiceServer;
 #[derive(Debug, Clone)]
 pub struct GrpcService {
     engine: Engine,
-    namespaces: CallSeries,
+    series: CallSeries,
     authorizer: Authorizer,
 }
 
@@ -48,10 +48,10 @@ fn failed<T>(call: &mut CallMetrics<'_>, error: Error) -> Result<T, Status> {
 }
 
 impl GrpcService {
-    pub fn new(engine: Engine, namespaces: CallSeries, authorizer: Authorizer) -> Self {
+    pub fn new(engine: Engine, series: CallSeries, authorizer: Authorizer) -> Self {
         Self {
             engine,
-            namespaces,
+            series,
             authorizer,
         }
     }
@@ -132,7 +132,7 @@ impl GrpcService {
         let items: Vec<_> = requests
             .into_iter()
             .map(|request| {
-                let mut call = CallMetrics::start_item(item_rpc, &self.namespaces);
+                let mut call = CallMetrics::start_item(item_rpc, &self.series);
                 let taken = take(&mut call, request).map(|parsed| valid.push(parsed));
                 (call, taken)
             })
@@ -163,7 +163,7 @@ impl GrpcService {
             rpc,
             InvalidField::new("requests", problem).into(),
         ));
-        CallMetrics::start(rpc, &self.namespaces).finish(&refused);
+        CallMetrics::start(rpc, &self.series).finish(&refused);
         refused
     }
 }
@@ -249,7 +249,7 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         &self,
         request: Request<pb::AcquireRequest>,
     ) -> Result<Response<pb::AcquireResponse>, Status> {
-        let mut call = CallMetrics::start("Acquire", &self.namespaces);
+        let mut call = CallMetrics::start("Acquire", &self.series);
         let caller = caller_of(&request);
         let request = self.acquire_request(&mut call, caller.as_ref(), request.into_inner())?;
         let outcome = self.engine.acquire(request).await;
@@ -260,7 +260,7 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         &self,
         request: Request<pb::CompleteRequest>,
     ) -> Result<Response<pb::CompleteResponse>, Status> {
-        let mut call = CallMetrics::start("Complete", &self.namespaces);
+        let mut call = CallMetrics::start("Complete", &self.series);
         let caller = caller_of(&request);
         let request = self.complete_request(&mut call, caller.as_ref(), request.into_inner())?;
         let completed = self.engine.complete(request).await;
@@ -272,7 +272,7 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         request: Request<pb::FailRequest>,
     ) -> Result<Response<pb::FailResponse>, Status> {
         const RPC: &str = "Fail";
-        let mut call = CallMetrics::start(RPC, &self.namespaces);
+        let mut call = CallMetrics::start(RPC, &self.series);
         let caller = caller_of(&request);
         let request = request.into_inner();
         self.authorize(
@@ -308,7 +308,7 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         request: Request<pb::RenewRequest>,
     ) -> Result<Response<pb::RenewResponse>, Status> {
         const RPC: &str = "Renew";
-        let mut call = CallMetrics::start(RPC, &self.namespaces);
+        let mut call = CallMetrics::start(RPC, &self.series);
         let caller = caller_of(&request);
         let request = request.into_inner();
         self.authorize(
@@ -336,7 +336,7 @@ impl pb::idempotency_service_server::IdempotencyService for GrpcService {
         request: Request<pb::GetRequest>,
     ) -> Result<Response<pb::GetResponse>, Status> {
         const RPC: &str = "Get";
-        let mut call = CallMetrics::start(RPC, &self.namespaces);
+        let mut call = CallMetrics::start(RPC, &self.series);
         let caller = caller_of(&request);
         let request = request.into_inner();
         self.authorize(
