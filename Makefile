@@ -23,6 +23,15 @@ bench:
 bench-budget:
 	scripts/bench-budget.sh
 
+# The server against the floor of a batching gRPC service (tonic and sqlx alone,
+# one statement per batch RPC, in the ceiling's shape and in the server's), with
+# pgbench's pair and the durable ceiling, at 16 and 256 callers (about six
+# minutes after the build; not in CI). FLOOR_CONCURRENCY, FLOOR_ROUNDS,
+# BENCH_SECONDS tune it (see the script).
+.PHONY: bench-floor
+bench-floor:
+	scripts/bench-floor.sh
+
 # Cost as the table grows: new-key pairs with 0, 10 and 30 million live rows
 # preloaded, and bytes per key on disk (about 25 GB of disk and an hour; not in
 # CI). SCALE_ROWS, BENCH_SECONDS, BENCH_REPEATS tune it (see the script).

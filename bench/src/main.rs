@@ -232,6 +232,10 @@ struct Cli {
     /// alone (`floor.rs`), the least a gRPC service over Postgres can cost.
     #[arg(long, value_name = "ADDR", conflicts_with = "serve_health")]
     serve_floor: Option<std::net::SocketAddr>,
+    /// --serve-floor: the statements a batch runs, the durable ceiling's
+    /// (multi-row INSERT and UPDATE) or the service's own.
+    #[arg(long, value_enum, default_value_t, requires = "serve_floor")]
+    floor_statements: floor::Statements,
     /// Run pgbench's statements through sqlx alone on DATABASE_URL, one at
     /// a time on one connection, for --warmup and then --duration, and
     /// print one JSON object (`driver.rs`): `select`, the primary-key read
@@ -615,7 +619,7 @@ fn main() -> anyhow::Result<()> {
                     .parse()
                     .context("DATABASE_URL")?;
                 let listener = listen(addr, "the floor", cli.serve_for).await?;
-                return floor::serve(listener, database, cli.serve_for).await;
+                return floor::serve(listener, database, cli.floor_statements, cli.serve_for).await;
             }
             match cli.serve_health {
                 Some(addr) => {
@@ -960,17 +964,60 @@ mod tests {
         assert!(run(cli).await.is_err());
     }
 
+    #[tokio::test]
+    async fn the_floor_serves_new_key_pairs_with_the_ceilings_statements() {
+        floor_serves_new_key_pairs(floor::Statements::Ceiling).await;
+    }
+
+    #[tokio::test]
+    async fn the_floor_serves_new_key_pairs_with_the_services_statements() {
+        floor_serves_new_key_pairs(floor::Statements::Service).await;
+    }
+
+    /// A batch's Acquires of `keys` through the stub: each one's token, or
+    /// `None` where it was refused.
+    async fn batch_acquire(
+        stub: &mut IdempotencyServiceClient<Channel>,
+        id: &impl Fn(&str) -> pb::RecordId,
+        keys: &[&str],
+    ) -> Vec<Option<u64>> {
+        let requests = keys
+            .iter()
+            .map(|key| pb::AcquireRequest {
+                id: Some(id(key)),
+                fingerprint: vec![7; 32],
+                ..Default::default()
+            })
+            .collect();
+        let results = stub
+            .batch_acquire(pb::BatchAcquireRequest { requests })
+            .await
+            .unwrap()
+            .into_inner()
+            .results;
+        results
+            .iter()
+            .map(|result| match &result.result {
+                Some(pb::batch_acquire_result::Result::Response(pb::AcquireResponse {
+                    outcome: Some(pb::acquire_response::Outcome::Acquired(acquired)),
+                })) => Some(acquired.fencing_token),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// `--serve-floor` on a database of its own (under DATABASE_URL, as
     /// `make test` sets it), called through the generated stub and through
-    /// the client library: every pair is answered and stored completed.
-    #[tokio::test]
-    async fn the_floor_serves_new_key_pairs_to_the_stub_and_to_the_client_library() {
+    /// the client library: every pair is answered and stored completed. Then
+    /// batches through the stub: each item answered in its place, a key that
+    /// exists refused, a Complete with the wrong token finding no attempt.
+    async fn floor_serves_new_key_pairs(statements: floor::Statements) {
         use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, postgres::PgConnectOptions};
         let admin_options: PgConnectOptions = std::env::var("DATABASE_URL")
             .expect("DATABASE_URL is not set: run the tests with `make test`")
             .parse()
             .unwrap();
-        let name = format!("bench_floor_{}", std::process::id());
+        let name = format!("bench_floor_{statements:?}_{}", std::process::id()).to_lowercase();
         let mut admin = PgConnection::connect_with(&admin_options).await.unwrap();
         admin
             .execute(AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name}")))
@@ -989,7 +1036,12 @@ mod tests {
 
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let endpoint = format!("http://{}", listener.local_addr().unwrap());
-        let server = tokio::spawn(floor::serve(listener, database, Duration::from_secs(60)));
+        let server = tokio::spawn(floor::serve(
+            listener,
+            database,
+            statements,
+            Duration::from_secs(60),
+        ));
         let new_keys = |more: &[&str]| {
             let base = [
                 "idempotency-bench",
@@ -1013,6 +1065,81 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(completed, 40);
+
+        // Batches through the generated stub: one statement per RPC.
+        let mut stub = IdempotencyServiceClient::connect(endpoint.clone())
+            .await
+            .unwrap();
+        let id = |key: &str| pb::RecordId {
+            namespace: "floor".into(),
+            operation: "POST /floor".into(),
+            subject: format!("s-{}", key.len()),
+            key: key.into(),
+        };
+        let first = batch_acquire(&mut stub, &id, &["batch-key-1", "batch-key-22"]).await;
+        let second = batch_acquire(&mut stub, &id, &["batch-key-1", "batch-key-333"]).await;
+        let answered =
+            |tokens: &[Option<u64>]| tokens.iter().map(Option::is_some).collect::<Vec<_>>();
+        assert_eq!(answered(&first), [true, true]);
+        assert_eq!(answered(&second), [false, true]);
+        // The last with a token it was not given.
+        let completes = [
+            ("batch-key-1", first[0].unwrap()),
+            ("batch-key-22", first[1].unwrap()),
+            ("batch-key-333", second[1].unwrap() + 1),
+        ]
+        .iter()
+        .map(|&(key, token)| pb::CompleteRequest {
+            id: Some(id(key)),
+            fencing_token: token,
+            response: Some(pb::StoredResponse {
+                status_code: 201,
+                body: b"done".to_vec(),
+                ..Default::default()
+            }),
+        })
+        .collect();
+        let completed = stub
+            .batch_complete(pb::BatchCompleteRequest {
+                requests: completes,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .results;
+        let answered: Vec<bool> = completed
+            .iter()
+            .map(|result| {
+                matches!(
+                    result.result,
+                    Some(pb::batch_complete_result::Result::Response(_))
+                )
+            })
+            .collect();
+        assert_eq!(answered, [true, true, false]);
+        let stored: Vec<(String, String, Option<Vec<u8>>)> = sqlx::query_as(
+            "SELECT key, state, response_body FROM idempotency_records
+             WHERE namespace = 'floor' ORDER BY key",
+        )
+        .fetch_all(&mut connection)
+        .await
+        .unwrap();
+        let done = |key: &str| {
+            (
+                key.to_owned(),
+                "completed".to_owned(),
+                Some(b"done".to_vec()),
+            )
+        };
+        let open = |key: &str| (key.to_owned(), "in_progress".to_owned(), None);
+        assert_eq!(
+            stored,
+            [
+                done("batch-key-1"),
+                done("batch-key-22"),
+                open("batch-key-333")
+            ]
+        );
 
         server.abort();
         drop(connection);

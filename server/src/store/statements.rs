@@ -157,8 +157,9 @@ pub(super) async fn insert_or_read(
 }
 
 /// `insert_or_read`'s statement (its reasons are there). A copy of it runs in
-/// pgbench for `make bench-budget` (`bench/pgbench/acquire_replay.sql`).
-const INSERT_OR_READ: &str = "
+/// pgbench for `make bench-budget` (`bench/pgbench/acquire_replay.sql`), and
+/// the load generator's floor runs it (`--floor-statements service`).
+pub const INSERT_OR_READ: &str = "
         WITH input AS (
             SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[],
                                  $6::interval[], $7::interval[])
@@ -471,8 +472,9 @@ pub(super) async fn finish(
 }
 
 /// `finish`'s statement (its reasons are there). A copy of it runs in
-/// pgbench beside the durable ceiling (`bench/pgbench/service_batch_pair.sql`).
-const FINISH: &str = "
+/// pgbench beside the durable ceiling (`bench/pgbench/service_batch_pair.sql`),
+/// and the load generator's floor runs it (`--floor-statements service`).
+pub const FINISH: &str = "
     WITH v AS (
         SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[],
                              $6::text[], $7::int4[], $8::bytea[], $9::jsonb[])
