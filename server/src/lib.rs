@@ -18,7 +18,8 @@
 //! `otel`, with the feature of that name: OpenTelemetry export of each call's span),
 //! [`metrics`] (the name and HELP text of every metric), [`maintenance`]
 //! (the reaper and the table gauges), [`admin`] (the operator commands),
-//! [`shutdown`] (the process signal).
+//! [`shutdown`] (the process signal), [`join`] (a batch's per-item futures,
+//! run together).
 //!
 //! A call followed file by file, the batching path and the tasks: `docs/architecture.md`.
 #![forbid(unsafe_code)]
@@ -31,6 +32,7 @@ pub mod engine;
 pub mod error;
 pub mod grpc;
 pub mod health;
+pub mod join;
 pub mod maintenance;
 pub mod metrics;
 #[cfg(feature = "otel")]

@@ -13,14 +13,13 @@
 
 use std::{collections::HashMap, future::Future, sync::Arc, time::Instant};
 
-use futures_util::future::join_all;
-
 use super::{
     AcquireRequest, Answer, CompleteRequest, Engine, acquire_input, finish_input, rules::acquired,
 };
 use crate::{
     domain::{AcquireOutcome, RecordId, RecordState, Timestamp},
     error::Error,
+    join::join_in_order,
     store::AcquireInput,
 };
 
@@ -45,7 +44,7 @@ impl Engine {
             |round| self.acquire_round(round),
         )
         .await;
-        join_all(
+        join_in_order(
             inputs
                 .iter()
                 .zip(answers)
@@ -73,7 +72,7 @@ impl Engine {
                 .store
                 .insert_or_read_all(asked.iter().map(|&i| inputs[i].clone()).collect())
                 .await;
-            let settled = join_all(
+            let settled = join_in_order(
                 asked
                     .iter()
                     .zip(found)
@@ -134,7 +133,7 @@ impl Engine {
             |input| &input.id,
             |round| async move {
                 let found = self.store.finish_all(round.clone()).await;
-                join_all(
+                join_in_order(
                     round
                         .iter()
                         .zip(found)

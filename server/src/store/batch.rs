@@ -61,14 +61,13 @@ use std::{
     time::Duration,
 };
 
-use futures_util::future::join_all;
 use tokio::{
     sync::{Notify, oneshot},
     time::Instant,
 };
 
 use super::{StoreError, StoreResult};
-use crate::domain::RecordId;
+use crate::{domain::RecordId, join::join_in_order};
 
 #[cfg(test)]
 mod tests;
@@ -307,7 +306,7 @@ impl<S: Statement> Batcher<S> {
             .into_iter()
             .zip(answers)
             .map(|(input, answer)| self.answer(input, answer));
-        join_all(answers).await
+        join_in_order(answers).await
     }
 
     async fn answer(

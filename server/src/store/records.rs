@@ -5,8 +5,6 @@
 
 use std::sync::Arc;
 
-use futures_util::future::join_all;
-
 use super::{
     AcquiredRow, Connection, Db, RecordRow, Store, StoreError, StoreResult,
     batch::{BatchSettings, Batchable, Batcher, Kept, Statement},
@@ -15,6 +13,7 @@ use super::{
 };
 use crate::{
     domain::{FencingToken, Fingerprint, RecordId, RecordState, StoredResponse, Timestamp},
+    join::join_in_order,
     metrics::query,
 };
 
@@ -87,7 +86,7 @@ impl Store {
                 let each = inputs
                     .into_iter()
                     .map(|input| Box::pin(insert_or_read_alone(&self.db, &self.replays, input)));
-                join_all(each).await
+                join_in_order(each).await
             }
         }
     }
@@ -114,7 +113,7 @@ impl Store {
                 let each = inputs
                     .into_iter()
                     .map(|input| Box::pin(finish_alone(&self.db, input)));
-                join_all(each).await
+                join_in_order(each).await
             }
         }
     }
