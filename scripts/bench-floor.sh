@@ -2,7 +2,9 @@
 # `make bench-floor`: the server against the floor of a batching gRPC service,
 # at FLOOR_CONCURRENCY callers (default "16 256"), on one throwaway Postgres
 # (fsync on). In each round, one after the other (the order rotated every
-# round, a VACUUM before each, autovacuum off, as in make bench):
+# round and reversed every other round, so that no service always runs right
+# after another as the table grows; a VACUUM before each, autovacuum off, as
+# in make bench):
 #   pgbench  pgbench's new-key pair (bench/pgbench/new_key_pair.sql), C clients;
 #   ceiling  the durable ceiling (bench/pgbench/ceiling_pair.sql), 8 clients of
 #            32 keys, as make bench runs it;
@@ -20,7 +22,8 @@
 # (docs/performance.md, "The server against the floor of a batching service").
 #
 # FLOOR_CONCURRENCY, FLOOR_ROUNDS (4), BENCH_SECONDS (4). Prints each round's
-# pairs/s, the ratios, and the server CPU per pair of each service.
+# pairs/s, the ratios, and the server CPU per pair of each service. A run with
+# any error (a call the load generator saw fail, a pgbench that failed) stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,7 +47,13 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/idempotency-floor.XXXXXX")
 pids=""
 trap 'kill $pids 2>/dev/null; rm -rf "$work"' EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# N free ports, distinct: all bound at once, then let go.
+free_ports() {
+  python3 -c 'import socket, sys
+held = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in held: s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in held))' "$1"
+}
 wait_port() {
   for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return; sleep 0.1; done
   say "nothing listens on port $1; logs:"; cat "$work"/*.log >&2; exit 1
@@ -58,8 +67,8 @@ wait_port() {
 sql "ANALYZE idempotency_records"
 sql "ALTER TABLE idempotency_records SET (autovacuum_enabled = false)"
 
-port_server=$(free_port) port_floor=$(free_port) port_floor_service=$(free_port)
-"$server_bin" serve --grpc-addr "127.0.0.1:$port_server" --metrics-addr "127.0.0.1:$(free_port)" \
+read -r port_server port_floor port_floor_service port_metrics < <(free_ports 4)
+"$server_bin" serve --grpc-addr "127.0.0.1:$port_server" --metrics-addr "127.0.0.1:$port_metrics" \
   --reaper-enabled false --worker-threads 1 >"$work/server.log" 2>&1 &
 pid_server=$!
 "$bench_bin" --serve-floor "127.0.0.1:$port_floor" --serve-for 1h --threads 1 \
@@ -80,19 +89,24 @@ measure() { # what concurrency round: writes $work/WHAT-C-ROUND.txt (pairs/s [se
   case $what in
     pgbench)
       PGOPTIONS=$serving_options "$pgbench" -M prepared -n -c "$c" -j 2 -T "$seconds" \
-        -f bench/pgbench/new_key_pair.sql -D payload=256 "$DATABASE_URL" 2>/dev/null |
-        awk '/^tps/ { print $3 }' >"$out" ;;
+        -f bench/pgbench/new_key_pair.sql -D payload=256 "$DATABASE_URL" \
+        >"$work/pgbench.out" 2>"$work/pgbench.err" || { cat "$work/pgbench.err" >&2; exit 1; }
+      awk '/^tps/ { print $3 }' "$work/pgbench.out" >"$out" ;;
     ceiling)
       PGOPTIONS="-c enable_seqscan=off" "$pgbench" -M prepared -n -c 8 -j 2 -T "$seconds" \
-        -f bench/pgbench/ceiling_pair.sql -D payload=256 -D keys=32 "$DATABASE_URL" 2>/dev/null |
-        awk '/^tps/ { print $3 * 32 }' >"$out" ;;
+        -f bench/pgbench/ceiling_pair.sql -D payload=256 -D keys=32 "$DATABASE_URL" \
+        >"$work/pgbench.out" 2>"$work/pgbench.err" || { cat "$work/pgbench.err" >&2; exit 1; }
+      awk '/^tps/ { print $3 * 32 }' "$work/pgbench.out" >"$out" ;;
     *)
       local port=port_${what//-/_} pid=pid_${what//-/_}
       "$bench_bin" --endpoint "http://127.0.0.1:${!port}" --scenario new-keys --concurrency "$c" \
         --threads 1 --duration "${seconds}s" --warmup 1s --payload-bytes 256 \
         --server-pid "${!pid}" --json >"$work/$what.json"
       python3 -c 'import json, sys; d = json.load(open(sys.argv[1]))
-print(d["ops_per_sec"], 1e6 * (d["server_cpu_seconds"] or 0) / d["ops"])' "$work/$what.json" >"$out" ;;
+failed, cpu = d["errors_total"], d["server_cpu_seconds"]
+if failed: sys.exit(sys.argv[2] + ": " + str(failed) + " calls failed: " + str(d["errors"]))
+if cpu is None: sys.exit(sys.argv[2] + ": its CPU time was not read")
+print(d["ops_per_sec"], 1e6 * cpu / d["ops"])' "$work/$what.json" "$what" >"$out" ;;
   esac
   [ -s "$out" ] || { say "$what at $c callers measured nothing"; exit 1; }
 }
@@ -101,7 +115,11 @@ order=(pgbench ceiling floor floor-service server)
 say "$rounds rounds of ${seconds}s at ${concurrencies// /, } callers"
 for c in $concurrencies; do
   for round in $(seq "$rounds"); do
-    for what in "${order[@]}"; do measure "$what" "$c" "$round"; done
+    this=("${order[@]}")
+    if [ $((round % 2)) = 0 ]; then
+      this=(); for ((i = ${#order[@]} - 1; i >= 0; i--)); do this+=("${order[i]}"); done
+    fi
+    for what in "${this[@]}"; do measure "$what" "$c" "$round"; done
     order=("${order[@]:1}" "${order[0]}")
   done
 done
@@ -115,13 +133,15 @@ for c in concurrencies:
     print(f"\n{c} callers (new-key pairs/s; the ceiling in keys/s; CPU: the service process's µs per pair)\n")
     print("| round | pgbench | ceiling | floor | floor, the server's statements | server "
           "| floor / pgbench | floor, the server's statements / floor | server / that floor "
-          "| server / pgbench | server / ceiling | CPU floor / its statements / server |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    cols = {k: [] for k in ("f/pg", "fs/f", "sv/fs", "sv/pg", "sv/ce")}
+          "| server / pgbench | floor / ceiling | floor, the server's statements / ceiling "
+          "| server / ceiling | CPU floor / its statements / server |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    cols = {k: [] for k in ("f/pg", "fs/f", "sv/fs", "sv/pg", "f/ce", "fs/ce", "sv/ce")}
     for r in range(1, rounds + 1):
         pg, ce = read("pgbench", c, r)[0], read("ceiling", c, r)[0]
         (f, fcpu), (fs, fscpu), (sv, svcpu) = (read(w, c, r) for w in ("floor", "floor-service", "server"))
-        row = {"f/pg": f / pg, "fs/f": fs / f, "sv/fs": sv / fs, "sv/pg": sv / pg, "sv/ce": sv / ce}
+        row = {"f/pg": f / pg, "fs/f": fs / f, "sv/fs": sv / fs, "sv/pg": sv / pg,
+               "f/ce": f / ce, "fs/ce": fs / ce, "sv/ce": sv / ce}
         for k, v in row.items():
             cols[k].append(v)
         print(f"| {r} | {pg:,.0f} | {ce:,.0f} | {f:,.0f} | {fs:,.0f} | {sv:,.0f} | "

@@ -4,12 +4,14 @@
 //! CONFLICT DO NOTHING`, then a plain `UPDATE`), one per call, through sqlx,
 //! behind tonic with its defaults: no layers, no validation, no metrics, no
 //! logs, a connection per call in flight taken from a stack and put back
-//! without the pool's check. BatchAcquire and BatchComplete run the same
-//! two statements as the durable ceiling writes them
-//! (`bench/pgbench/ceiling_pair.sql`: one multi-row statement per batch),
-//! with the batch's columns bound as arrays, as any batching service must
-//! bind them: what a batch of calls can cost at all, one statement and one
-//! commit per batch, with none of the service's queue, contract or checks.
+//! without the pool's check. BatchAcquire and BatchComplete run the
+//! durable ceiling's insert and update (`bench/pgbench/ceiling_pair.sql`) as
+//! one plain multi-row statement per batch, no CTE, with the batch's columns
+//! bound as arrays, as any batching service must bind them (the ceiling's
+//! UPDATE picks its keys with `= ANY` in one scope; here every item has a
+//! scope of its own, so it joins `unnest`): what a batch of calls can cost
+//! at all, one statement and one commit per batch, with none of the
+//! service's queue, contract or checks.
 //! With `--floor-statements service` the batches run the service's own two
 //! batch statements instead (its Acquire's insert-or-read and its Complete,
 //! from `idempotency_server::store`), bound as the service binds them: what
@@ -32,7 +34,7 @@ use idempotency_proto::pb::{
     self,
     idempotency_service_server::{IdempotencyService, IdempotencyServiceServer},
 };
-use idempotency_server::store::{BATCH_FINISH_SQL, BATCH_INSERT_OR_READ_SQL};
+use idempotency_server::store::{BATCH_FINISH_SQL, BATCH_INSERT_OR_READ_SQL, BATCH_ROW_WAIT};
 use sqlx::{
     Connection, PgConnection,
     postgres::{PgConnectOptions, types::PgInterval},
@@ -86,8 +88,9 @@ pub(crate) const BATCH_UPDATE: &str = "
       AND r.subject = v.subject AND r.key = v.key AND r.fencing_token = v.token
     RETURNING r.namespace, r.operation, r.subject, r.key, r.completed_at";
 
-/// The sessions' settings: the serving pool's (`server/src/db.rs`), with
-/// which `make bench-budget` runs pgbench too. The batch statements need
+/// The sessions' planner settings: the serving pool's (`server/src/db.rs`;
+/// its statement timeout aside), with which `make bench-budget` runs
+/// pgbench too. The batch statements need
 /// them: a generic plan of a join with `unnest` may otherwise scan the table.
 const SESSION_SETTINGS: [(&str, &str); 4] = [
     ("enable_seqscan", "off"),
@@ -259,10 +262,11 @@ async fn ceiling_insert(
         .collect())
 }
 
-/// The service's insert-or-read, bound as the service binds it (a lifetime
-/// of 24 hours, a lease of 60 seconds, its brief row wait): the items it
-/// inserted, by their places. (Not in key order, as the service sorts them
-/// against deadlocks: the floor's keys are its one caller's own.)
+/// The service's insert-or-read, bound as the service binds it: in key
+/// order (its defence against deadlocks), a lifetime of 24 hours, a lease of
+/// 60 seconds, its brief row wait. The items it inserted, by their places.
+/// (A batch's keys must be distinct, as the service's batcher makes a
+/// statement's: the load generator's are.)
 async fn service_insert(
     connection: &mut PgConnection,
     ids: &[&pb::RecordId],
@@ -273,26 +277,56 @@ async fn service_insert(
         days: 0,
         microseconds: seconds * 1_000_000,
     };
+    let order = key_order(ids);
+    let ids = permuted(ids, &order);
     let rows: Vec<AttemptRow> = sqlx::query_as(BATCH_INSERT_OR_READ_SQL)
-        .bind(column(ids, |id| &id.namespace))
-        .bind(column(ids, |id| &id.operation))
-        .bind(column(ids, |id| &id.subject))
-        .bind(column(ids, |id| &id.key))
-        .bind(fingerprints)
+        .bind(column(&ids, |id| &id.namespace))
+        .bind(column(&ids, |id| &id.operation))
+        .bind(column(&ids, |id| &id.subject))
+        .bind(column(&ids, |id| &id.key))
+        .bind(permuted(&fingerprints, &order))
         .bind(vec![interval(24 * 3600); ids.len()])
         .bind(vec![interval(60); ids.len()])
-        .bind(ROW_WAIT)
+        .bind(row_wait())
         .fetch_all(connection)
         .await?;
     Ok(rows
         .into_iter()
         .filter(|row| row.1)
         .filter_map(|(ord, _, _, _, token, _, expires, lease)| {
-            let i = usize::try_from(ord).ok()?.checked_sub(1)?;
-            Some((i, token, lease?, expires))
+            Some((place(&order, ord)?, token, lease?, expires))
         })
-        .filter(|&(i, ..)| i < ids.len())
         .collect())
+}
+
+/// The service's order for a statement's keys: by scope, then key.
+fn key_order(ids: &[&pb::RecordId]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..ids.len()).collect();
+    order.sort_unstable_by_key(|&i| {
+        (
+            &ids[i].namespace,
+            &ids[i].operation,
+            &ids[i].subject,
+            &ids[i].key,
+        )
+    });
+    order
+}
+
+/// `items` in `order`.
+fn permuted<T: Clone>(items: &[T], order: &[usize]) -> Vec<T> {
+    order.iter().map(|&i| items[i].clone()).collect()
+}
+
+/// The item a row is for: its `ord` (from 1) in the arrays bound in `order`.
+fn place(order: &[usize], ord: i64) -> Option<usize> {
+    let sorted = usize::try_from(ord).ok()?.checked_sub(1)?;
+    order.get(sorted).copied()
+}
+
+/// The service's row wait in a batch, as its statements bind it.
+fn row_wait() -> String {
+    format!("{}ms", BATCH_ROW_WAIT.as_millis())
 }
 
 /// The leading columns of a row of the service's insert-or-read: its
@@ -308,9 +342,6 @@ type AttemptRow = (
     Timestamp,
     Option<Timestamp>,
 );
-
-/// The service's row wait in a batch (`store::statements::BATCH_ROW_WAIT`).
-const ROW_WAIT: &str = "100ms";
 
 /// [`BATCH_UPDATE`]: the finished items, found by their keys.
 async fn ceiling_update(
@@ -339,33 +370,31 @@ async fn ceiling_update(
         .collect())
 }
 
-/// The service's finish, bound as the service binds it: the finished items,
-/// by their places.
+/// The service's finish, bound as the service binds it (in key order, its
+/// brief row wait): the finished items, by their places.
 async fn service_update(
     connection: &mut PgConnection,
     ids: &[&pb::RecordId],
     finish: Finish<'_>,
 ) -> sqlx::Result<Vec<(usize, Timestamp)>> {
+    let order = key_order(ids);
+    let ids = permuted(ids, &order);
     let rows: Vec<(i64, Option<Timestamp>)> = sqlx::query_as(BATCH_FINISH_SQL)
-        .bind(column(ids, |id| &id.namespace))
-        .bind(column(ids, |id| &id.operation))
-        .bind(column(ids, |id| &id.subject))
-        .bind(column(ids, |id| &id.key))
-        .bind(finish.tokens)
+        .bind(column(&ids, |id| &id.namespace))
+        .bind(column(&ids, |id| &id.operation))
+        .bind(column(&ids, |id| &id.subject))
+        .bind(column(&ids, |id| &id.key))
+        .bind(permuted(&finish.tokens, &order))
         .bind(vec!["completed"; ids.len()])
-        .bind(finish.statuses)
-        .bind(finish.bodies)
-        .bind(finish.headers)
-        .bind(ROW_WAIT)
+        .bind(permuted(&finish.statuses, &order))
+        .bind(permuted(&finish.bodies, &order))
+        .bind(permuted(&finish.headers, &order))
+        .bind(row_wait())
         .fetch_all(connection)
         .await?;
     Ok(rows
         .into_iter()
-        .filter_map(|(ord, completed_at)| {
-            let i = usize::try_from(ord).ok()?.checked_sub(1)?;
-            Some((i, completed_at?))
-        })
-        .filter(|&(i, _)| i < ids.len())
+        .filter_map(|(ord, completed_at)| Some((place(&order, ord)?, completed_at?)))
         .collect())
 }
 

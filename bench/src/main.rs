@@ -974,13 +974,13 @@ mod tests {
         floor_serves_new_key_pairs(floor::Statements::Service).await;
     }
 
-    /// A batch's Acquires of `keys` through the stub: each one's token, or
-    /// `None` where it was refused.
+    /// A batch's Acquires of `keys` through the stub: each one's answer
+    /// (its token, lease and expiry), or `None` where it was refused.
     async fn batch_acquire(
         stub: &mut IdempotencyServiceClient<Channel>,
         id: &impl Fn(&str) -> pb::RecordId,
         keys: &[&str],
-    ) -> Vec<Option<u64>> {
+    ) -> Vec<Option<pb::Acquired>> {
         let requests = keys
             .iter()
             .map(|key| pb::AcquireRequest {
@@ -996,11 +996,11 @@ mod tests {
             .into_inner()
             .results;
         results
-            .iter()
-            .map(|result| match &result.result {
+            .into_iter()
+            .map(|result| match result.result {
                 Some(pb::batch_acquire_result::Result::Response(pb::AcquireResponse {
                     outcome: Some(pb::acquire_response::Outcome::Acquired(acquired)),
-                })) => Some(acquired.fencing_token),
+                })) => Some(acquired),
                 _ => None,
             })
             .collect()
@@ -1076,17 +1076,46 @@ mod tests {
             subject: format!("s-{}", key.len()),
             key: key.into(),
         };
-        let first = batch_acquire(&mut stub, &id, &["batch-key-1", "batch-key-22"]).await;
-        let second = batch_acquire(&mut stub, &id, &["batch-key-1", "batch-key-333"]).await;
-        let answered =
-            |tokens: &[Option<u64>]| tokens.iter().map(Option::is_some).collect::<Vec<_>>();
+        // Keys out of the service's order (by subject, then key), so that
+        // an item answered in the statement's order would be misplaced.
+        let first = batch_acquire(&mut stub, &id, &["batch-key-22", "batch-key-1"]).await;
+        let second = batch_acquire(&mut stub, &id, &["batch-key-333", "batch-key-1"]).await;
+        let answered = |acquired: &[Option<pb::Acquired>]| {
+            acquired.iter().map(Option::is_some).collect::<Vec<_>>()
+        };
         assert_eq!(answered(&first), [true, true]);
-        assert_eq!(answered(&second), [false, true]);
-        // The last with a token it was not given.
+        assert_eq!(answered(&second), [true, false]);
+        let tokens: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT key, fencing_token FROM idempotency_records
+             WHERE namespace = 'floor' ORDER BY key",
+        )
+        .fetch_all(&mut connection)
+        .await
+        .unwrap();
+        let token = |acquired: &Option<pb::Acquired>| acquired.as_ref().unwrap().fencing_token;
+        let given = [
+            ("batch-key-1".to_owned(), token(&first[1]) as i64),
+            ("batch-key-22".to_owned(), token(&first[0]) as i64),
+            ("batch-key-333".to_owned(), token(&second[0]) as i64),
+        ];
+        assert_eq!(
+            tokens, given,
+            "each item answered with its own record's token"
+        );
+        for acquired in first.iter().chain(&second[..1]) {
+            let acquired = acquired.as_ref().unwrap();
+            let lease = acquired.lease_expires_at.as_ref().unwrap().seconds;
+            let expires = acquired.expires_at.as_ref().unwrap().seconds;
+            assert!(
+                lease + 3600 < expires,
+                "a lease of 60 s, a lifetime of 24 h"
+            );
+        }
+        // The middle one with a token it was not given.
         let completes = [
-            ("batch-key-1", first[0].unwrap()),
-            ("batch-key-22", first[1].unwrap()),
-            ("batch-key-333", second[1].unwrap() + 1),
+            ("batch-key-1", token(&first[1])),
+            ("batch-key-333", token(&second[0]) + 1),
+            ("batch-key-22", token(&first[0])),
         ]
         .iter()
         .map(|&(key, token)| pb::CompleteRequest {
@@ -1116,7 +1145,7 @@ mod tests {
                 )
             })
             .collect();
-        assert_eq!(answered, [true, true, false]);
+        assert_eq!(answered, [true, false, true]);
         let stored: Vec<(String, String, Option<Vec<u8>>)> = sqlx::query_as(
             "SELECT key, state, response_body FROM idempotency_records
              WHERE namespace = 'floor' ORDER BY key",

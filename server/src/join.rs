@@ -6,16 +6,18 @@
 //! ready queue, and a `FuturesOrdered` to put the outputs back in order). A
 //! batch's items mostly finish on their first poll (nothing to wait for) or
 //! all at one wake-up (their shared statement answered), which the in-place
-//! kind does with one poll each. At 256 callers, in batches of about 64
-//! items, the per-task machinery was about 6 % of the server's CPU
-//! (`perf`, docs/performance.md). So [`join_in_order`] joins chunks of 30
-//! or fewer, and the chunks' joins, every one of them of the in-place kind
-//! up to 900 futures.
+//! kind does with one poll each. At 256 callers, in statements of about 50
+//! items, the per-task machinery (`FuturesUnordered`, `FuturesOrdered` and
+//! their collecting) was 6-8 % of the server's CPU (`perf`,
+//! docs/performance.md). So [`join_in_order`] joins chunks of 30 or fewer,
+//! and the chunks' joins, every one of them of the in-place kind up to 900
+//! futures (above that the outer join is `join_all`'s other kind).
 //!
 //! Polling in place re-polls the futures not yet done on each wake-up: items
 //! that finish one by one, each after its own wait, cost a poll of each other
-//! item per wake-up. That is a few nanoseconds per poll against a
-//! statement's round trip per wake-up.
+//! item per wake-up, O(n²) polls for the batch at worst. A poll of a future
+//! still waiting is cheap next to the round trip each such wake-up waited
+//! for, and a batch holds at most `--max-batch-items` (100 by default).
 
 use std::future::Future;
 
@@ -58,7 +60,9 @@ mod tests {
     async fn outputs_come_in_the_futures_order_whatever_order_they_finish_in() {
         for count in [0, 1, 29, 30, 31, 64, 100, 901, 1000] {
             let futures = (0..count).map(|i| async move {
-                // Later items finish first; every third waits at all.
+                // Every third waits, the later ones less long (with a
+                // millisecond timer, only the larger counts finish them in
+                // another order than given).
                 if i % 3 == 0 {
                     tokio::time::sleep(Duration::from_micros(((count - i) * 10) as u64)).await;
                 }
