@@ -33,9 +33,8 @@ a_bin=$1 b_bin=$2
 c=${AB_CONCURRENCY:-1} rounds=${AB_ROUNDS:-6} seconds=${AB_SECONDS:-4}
 scenario=${AB_SCENARIO:-new-keys}
 bench_bin=target/release/idempotency-bench
-pg_bin=$(dirname "$(command -v pg_ctl 2>/dev/null || ls -d /usr/lib/postgresql/*/bin/pg_ctl | sort -V | tail -n 1)")
-pgbench=$(command -v pgbench 2>/dev/null || echo "$pg_bin/pgbench")
-psql=$(command -v psql 2>/dev/null || echo "$pg_bin/psql")
+# shellcheck source=scripts/pg-client.sh
+. scripts/pg-client.sh
 work=$(mktemp -d "${TMPDIR:-/tmp}/idempotency-ab.XXXXXX")
 pids=""
 trap 'kill $pids 2>/dev/null; rm -rf "$work"' EXIT

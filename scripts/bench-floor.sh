@@ -39,10 +39,8 @@ rounds=${FLOOR_ROUNDS:-4}
 concurrencies=${FLOOR_CONCURRENCY:-16 256}
 server_bin=target/release/idempotencyd
 bench_bin=target/release/idempotency-bench
-pg_bin=$(dirname "$(command -v pg_ctl 2>/dev/null || ls -d /usr/lib/postgresql/*/bin/pg_ctl | sort -V | tail -n 1)")
-pgbench=$(command -v pgbench 2>/dev/null || echo "$pg_bin/pgbench")
-psql=$(command -v psql 2>/dev/null || echo "$pg_bin/psql")
-sql() { "$psql" -X -q -A -t -v ON_ERROR_STOP=1 "$DATABASE_URL" -c "$1"; }
+# shellcheck source=scripts/pg-client.sh
+. scripts/pg-client.sh
 work=$(mktemp -d "${TMPDIR:-/tmp}/idempotency-floor.XXXXXX")
 pids=""
 trap 'kill $pids 2>/dev/null; rm -rf "$work"' EXIT

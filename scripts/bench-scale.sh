@@ -83,9 +83,8 @@ part() { [[ " $parts " == *" $1 "* ]]; }
 server_bin=target/release/idempotencyd
 bench_bin=target/release/idempotency-bench
 report() { python3 bench/scale_report.py "$@"; }
-pg_bin=$(dirname "$(command -v pg_ctl 2>/dev/null || ls -d /usr/lib/postgresql/*/bin/pg_ctl | sort -V | tail -n 1)")
-psql=$(command -v psql 2>/dev/null || echo "$pg_bin/psql")
-sql() { "$psql" -X -q -A -t -v ON_ERROR_STOP=1 "$DATABASE_URL" -c "$1"; }
+# shellcheck source=scripts/pg-client.sh
+. scripts/pg-client.sh
 
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
 out_dir=target/bench

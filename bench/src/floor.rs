@@ -34,7 +34,10 @@ use idempotency_proto::pb::{
     self,
     idempotency_service_server::{IdempotencyService, IdempotencyServiceServer},
 };
-use idempotency_server::store::{BATCH_FINISH_SQL, BATCH_INSERT_OR_READ_SQL, BATCH_ROW_WAIT};
+use idempotency_server::{
+    grpc::status::to_rpc_status,
+    store::{BATCH_FINISH_SQL, BATCH_INSERT_OR_READ_SQL, BATCH_ROW_WAIT},
+};
 use sqlx::{
     Connection, PgConnection,
     postgres::{PgConnectOptions, types::PgInterval},
@@ -206,15 +209,6 @@ fn places<'r>(ids: &[&'r pb::RecordId]) -> HashMap<Scope<'r>, usize> {
         places.entry(scope).or_insert(i);
     }
     places
-}
-
-/// An item's error in a batch reply.
-fn item_error(status: Status) -> tonic_types::pb::Status {
-    tonic_types::pb::Status {
-        code: status.code() as i32,
-        message: status.message().to_owned(),
-        details: Vec::new(),
-    }
 }
 
 fn timestamp(at: Timestamp) -> prost_types::Timestamp {
@@ -398,6 +392,56 @@ async fn service_update(
         .collect())
 }
 
+/// An Acquire's answer for a key the floor inserted.
+fn acquired(token: i64, lease_expires_at: Timestamp, expires_at: Timestamp) -> pb::AcquireResponse {
+    pb::AcquireResponse {
+        outcome: Some(pb::acquire_response::Outcome::Acquired(pb::Acquired {
+            fencing_token: token as u64,
+            lease_expires_at: Some(timestamp(lease_expires_at)),
+            expires_at: Some(timestamp(expires_at)),
+        })),
+    }
+}
+
+/// A Complete's answer.
+fn completed(at: Timestamp) -> pb::CompleteResponse {
+    pb::CompleteResponse {
+        completed_at: Some(timestamp(at)),
+    }
+}
+
+/// An Acquire of a key that exists: the floor answers new keys only.
+fn not_new() -> Status {
+    Status::unimplemented("the floor answers new keys only")
+}
+
+/// A Complete that found no attempt with its token.
+fn no_attempt() -> Status {
+    Status::failed_precondition("no such attempt")
+}
+
+/// Any RPC but the new-key pair's.
+fn pairs_only() -> Status {
+    Status::unimplemented("the floor answers new-key pairs only")
+}
+
+/// A batch's answers in its items' places: `answers` by place, `missing`
+/// for an item without one.
+fn in_places<T>(
+    items: usize,
+    answers: impl IntoIterator<Item = (usize, T)>,
+    missing: impl Fn() -> Status,
+) -> Vec<Result<T, Status>> {
+    let mut placed: Vec<Option<T>> = (0..items).map(|_| None).collect();
+    for (i, answer) in answers {
+        placed[i] = Some(answer);
+    }
+    placed
+        .into_iter()
+        .map(|answer| answer.ok_or_else(&missing))
+        .collect()
+}
+
 #[tonic::async_trait]
 impl IdempotencyService for Floor {
     async fn acquire(
@@ -418,15 +462,9 @@ impl IdempotencyService for Floor {
             .map_err(unavailable)?;
         self.put_back(connection);
         let Some((token, lease_expires_at, expires_at)) = row else {
-            return Err(Status::unimplemented("the floor answers new keys only"));
+            return Err(not_new());
         };
-        Ok(Response::new(pb::AcquireResponse {
-            outcome: Some(pb::acquire_response::Outcome::Acquired(pb::Acquired {
-                fencing_token: token as u64,
-                lease_expires_at: Some(timestamp(lease_expires_at)),
-                expires_at: Some(timestamp(expires_at)),
-            })),
-        }))
+        Ok(Response::new(acquired(token, lease_expires_at, expires_at)))
     }
 
     async fn complete(
@@ -452,35 +490,27 @@ impl IdempotencyService for Floor {
             .map_err(unavailable)?;
         self.put_back(connection);
         let Some((completed_at,)) = row else {
-            return Err(Status::failed_precondition("no such attempt"));
+            return Err(no_attempt());
         };
-        Ok(Response::new(pb::CompleteResponse {
-            completed_at: Some(timestamp(completed_at)),
-        }))
+        Ok(Response::new(completed(completed_at)))
     }
 
     async fn fail(
         &self,
         _: Request<pb::FailRequest>,
     ) -> Result<Response<pb::FailResponse>, Status> {
-        Err(Status::unimplemented(
-            "the floor answers new-key pairs only",
-        ))
+        Err(pairs_only())
     }
 
     async fn renew(
         &self,
         _: Request<pb::RenewRequest>,
     ) -> Result<Response<pb::RenewResponse>, Status> {
-        Err(Status::unimplemented(
-            "the floor answers new-key pairs only",
-        ))
+        Err(pairs_only())
     }
 
     async fn get(&self, _: Request<pb::GetRequest>) -> Result<Response<pb::GetResponse>, Status> {
-        Err(Status::unimplemented(
-            "the floor answers new-key pairs only",
-        ))
+        Err(pairs_only())
     }
 
     async fn batch_acquire(
@@ -491,32 +521,23 @@ impl IdempotencyService for Floor {
         let ids = ids_of(&requests, |request| request.id.as_ref())?;
         let fingerprints: Vec<&[u8]> = requests.iter().map(|r| r.fingerprint.as_slice()).collect();
         let mut connection = self.connection().await?;
-        let acquired = match self.statements {
+        let inserted = match self.statements {
             Statements::Ceiling => ceiling_insert(&mut connection, &ids, fingerprints).await,
             Statements::Service => service_insert(&mut connection, &ids, fingerprints).await,
         }
         .map_err(unavailable)?;
         self.put_back(connection);
-        let mut results: Vec<Option<pb::batch_acquire_result::Result>> = vec![None; ids.len()];
-        for (i, token, lease_expires_at, expires_at) in acquired {
-            results[i] = Some(pb::batch_acquire_result::Result::Response(
-                pb::AcquireResponse {
-                    outcome: Some(pb::acquire_response::Outcome::Acquired(pb::Acquired {
-                        fencing_token: token as u64,
-                        lease_expires_at: Some(timestamp(lease_expires_at)),
-                        expires_at: Some(timestamp(expires_at)),
-                    })),
-                },
-            ));
-        }
-        let results = results
+        use pb::batch_acquire_result::Result as Item;
+        let answers = inserted
+            .into_iter()
+            .map(|(i, token, lease, expires)| (i, acquired(token, lease, expires)));
+        let results = in_places(ids.len(), answers, not_new)
             .into_iter()
             .map(|result| pb::BatchAcquireResult {
-                result: Some(result.unwrap_or_else(|| {
-                    pb::batch_acquire_result::Result::Error(item_error(Status::unimplemented(
-                        "the floor answers new keys only",
-                    )))
-                })),
+                result: Some(
+                    result
+                        .map_or_else(|status| Item::Error(to_rpc_status(&status)), Item::Response),
+                ),
             })
             .collect();
         Ok(Response::new(pb::BatchAcquireResponse { results }))
@@ -551,22 +572,15 @@ impl IdempotencyService for Floor {
         }
         .map_err(unavailable)?;
         self.put_back(connection);
-        let mut results: Vec<Option<pb::batch_complete_result::Result>> = vec![None; ids.len()];
-        for (i, completed_at) in finished {
-            results[i] = Some(pb::batch_complete_result::Result::Response(
-                pb::CompleteResponse {
-                    completed_at: Some(timestamp(completed_at)),
-                },
-            ));
-        }
-        let results = results
+        use pb::batch_complete_result::Result as Item;
+        let answers = finished.into_iter().map(|(i, at)| (i, completed(at)));
+        let results = in_places(ids.len(), answers, no_attempt)
             .into_iter()
             .map(|result| pb::BatchCompleteResult {
-                result: Some(result.unwrap_or_else(|| {
-                    pb::batch_complete_result::Result::Error(item_error(
-                        Status::failed_precondition("no such attempt"),
-                    ))
-                })),
+                result: Some(
+                    result
+                        .map_or_else(|status| Item::Error(to_rpc_status(&status)), Item::Response),
+                ),
             })
             .collect();
         Ok(Response::new(pb::BatchCompleteResponse { results }))
