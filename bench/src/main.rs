@@ -35,7 +35,7 @@ mod stats;
 use std::{
     path::PathBuf,
     sync::{
-        Arc,
+        Arc, Mutex,
         atomic::{AtomicU64, Ordering},
     },
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
@@ -50,7 +50,8 @@ use idempotency_client::{
 };
 use serde_json::json;
 use stats::{
-    Stats, busy_fraction, machine_cpu_ticks, percentiles, percentiles_line, process_cpu_seconds,
+    Recorder, Stats, busy_fraction, machine_cpu_ticks, percentiles, percentiles_line,
+    process_cpu_seconds,
 };
 use tonic::transport::Channel;
 use tonic_health::pb::{
@@ -474,8 +475,7 @@ async fn health_check(plan: &Plan, index: u64) -> OpResult {
     }
 }
 
-async fn worker(plan: Arc<Plan>, index: u64) -> Stats {
-    let mut stats = Stats::default();
+async fn worker(plan: Arc<Plan>, index: u64, mut stats: Recorder) {
     // Each worker starts the round-robin over the replay keys at its own place.
     let replay_count = plan.replay_keys.len().max(1) as u64;
     let mut replay_next = index * replay_count / plan.concurrency;
@@ -526,17 +526,14 @@ async fn worker(plan: Arc<Plan>, index: u64) -> Stats {
             Scenario::Mixed => unreachable!("resolved above"),
         };
         if started < plan.measure_from {
-            stats.warmup_ops += 1; // not measured
+            stats.warmup_op(); // not measured
             continue;
         }
         match result {
-            Ok((outcome, acquire_latency)) => {
-                stats.record_op(outcome, started.elapsed(), acquire_latency)
-            }
-            Err((rpc, error)) => stats.record_error(rpc, &error),
+            Ok((outcome, acquire_latency)) => stats.op(outcome, started.elapsed(), acquire_latency),
+            Err((rpc, error)) => stats.error(rpc, &error),
         }
     }
-    stats
 }
 
 /// The keys replay and mixed read.
@@ -798,12 +795,14 @@ async fn run(cli: Cli) -> anyhow::Result<Stats> {
         ttl: cli.ttl,
     });
 
+    let shared = Arc::new(Mutex::new(Stats::default()));
     let handles: Vec<_> = (0..cli.concurrency)
         .map(|index| {
             let plan = plan.clone();
+            let recorder = Recorder::new(shared.clone());
             tokio::spawn(async move {
-                let stats = worker(plan, index).await;
-                (stats, Instant::now())
+                worker(plan, index, recorder).await;
+                Instant::now()
             })
         })
         .collect();
@@ -818,13 +817,15 @@ async fn run(cli: Cli) -> anyhow::Result<Stats> {
     };
     let (client_cpu_before, server_cpu_before, machine_before) = sample();
 
-    let mut total = Stats::default();
     let mut finished = measure_from;
     for handle in handles {
-        let (stats, done) = handle.await.context("a worker panicked")?;
-        total.merge(stats);
+        let done = handle.await.context("a worker panicked")?;
         finished = finished.max(done);
     }
+    let total = Arc::into_inner(shared)
+        .context("a worker outlived the run")?
+        .into_inner()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let seconds = finished.duration_since(measure_from).as_secs_f64();
     let (client_cpu_after, server_cpu_after, machine_after) = sample();
     let delta = |before: Option<f64>, after: Option<f64>| match (before, after) {
