@@ -173,8 +173,11 @@ pub struct Settings {
     /// that statement runs alone, and only the held row's calls wait on.)
     #[arg(long, env = "IDEMPOTENCY_BATCH_OVERLAP_AFTER", default_value = "20ms", value_parser = humantime::parse_duration)]
     pub batch_overlap_after: Duration,
-    /// Most calls in one statement when batching.
-    #[arg(long, env = "IDEMPOTENCY_BATCH_MAX_SIZE", default_value_t = 64)]
+    /// Most calls in one statement when batching. The default holds a whole
+    /// batch RPC of the default --max-batch-items; at 256 callers statements
+    /// of up to 64 calls left the calls beyond them for the next statement
+    /// (4 % fewer pairs/s, docs/performance.md).
+    #[arg(long, env = "IDEMPOTENCY_BATCH_MAX_SIZE", default_value_t = 128)]
     pub batch_max_size: usize,
     /// Memory for finished records kept to answer repeated Acquires without
     /// a database round trip (bytes of ids and responses; 0 turns it off).

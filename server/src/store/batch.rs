@@ -129,7 +129,7 @@ impl Default for BatchSettings {
     fn default() -> Self {
         Self {
             workers: 2,
-            max_size: 64,
+            max_size: 128,
             overlap_after: Duration::from_millis(20),
         }
     }
