@@ -1,4 +1,4 @@
-//! What one worker measured, and the merged report.
+//! What a run's workers measured, and the report.
 
 use std::{
     collections::BTreeMap,
@@ -76,10 +76,10 @@ impl Stats {
 
 /// A worker's measurements on their way to the run's one [`Stats`], a few at
 /// a time under its lock. One `Stats` per worker would give each its own two
-/// histograms: 184 KB of counts each at this range and precision, 94 MB at 256
-/// callers, and every record then missed the caches (5 % of the load
-/// generator's CPU at 256 callers went to recording, and the misses took the
-/// caches from everything else on the machine: the server and Postgres too).
+/// histograms: 184 KiB of counts each at this range and precision, 92 MiB at
+/// 256 callers (10–20 MiB of it touched at their latencies), and records
+/// then missed the caches: 5 % of the load generator's CPU at 256 callers went
+/// to recording, and the caches it took were the server's and Postgres's too.
 pub struct Recorder {
     shared: Arc<Mutex<Stats>>,
     ops: Vec<(&'static str, Duration, Duration)>,
