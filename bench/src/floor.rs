@@ -36,7 +36,7 @@ use idempotency_proto::pb::{
 };
 use idempotency_server::{
     grpc::status::to_rpc_status,
-    store::{BATCH_FINISH_SQL, BATCH_INSERT_OR_READ_SQL, BATCH_ROW_WAIT},
+    store::{BATCH_FINISH_SQL, BATCH_INSERT_OR_READ_SQL, KeyOrder, batch_lock_timeout},
 };
 use sqlx::{
     Connection, PgConnection,
@@ -272,55 +272,36 @@ async fn service_insert(
         microseconds: seconds * 1_000_000,
     };
     let order = key_order(ids);
-    let ids = permuted(ids, &order);
     let rows: Vec<AttemptRow> = sqlx::query_as(BATCH_INSERT_OR_READ_SQL)
-        .bind(column(&ids, |id| &id.namespace))
-        .bind(column(&ids, |id| &id.operation))
-        .bind(column(&ids, |id| &id.subject))
-        .bind(column(&ids, |id| &id.key))
-        .bind(permuted(&fingerprints, &order))
+        .bind(order.column(ids, |id| id.namespace.as_str()))
+        .bind(order.column(ids, |id| id.operation.as_str()))
+        .bind(order.column(ids, |id| id.subject.as_str()))
+        .bind(order.column(ids, |id| id.key.as_str()))
+        .bind(order.column(&fingerprints, |fingerprint| *fingerprint))
         .bind(vec![interval(24 * 3600); ids.len()])
         .bind(vec![interval(60); ids.len()])
-        .bind(row_wait())
+        .bind(batch_lock_timeout())
         .fetch_all(connection)
         .await?;
     Ok(rows
         .into_iter()
         .filter(|row| row.1)
         .filter_map(|(ord, _, _, _, token, _, expires, lease)| {
-            Some((place(&order, ord)?, token, lease?, expires))
+            Some((order.input(ord)?, token, lease?, expires))
         })
         .collect())
 }
 
-/// The service's order for a statement's keys: by scope, then key.
-fn key_order(ids: &[&pb::RecordId]) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..ids.len()).collect();
-    order.sort_unstable_by_key(|&i| {
+/// The service's order for a statement's keys, its own [`KeyOrder`].
+fn key_order(ids: &[&pb::RecordId]) -> KeyOrder {
+    KeyOrder::by_scope(ids.iter().map(|id| {
         (
-            &ids[i].namespace,
-            &ids[i].operation,
-            &ids[i].subject,
-            &ids[i].key,
+            id.namespace.as_str(),
+            id.operation.as_str(),
+            id.subject.as_str(),
+            id.key.as_str(),
         )
-    });
-    order
-}
-
-/// `items` in `order`.
-fn permuted<T: Clone>(items: &[T], order: &[usize]) -> Vec<T> {
-    order.iter().map(|&i| items[i].clone()).collect()
-}
-
-/// The item a row is for: its `ord` (from 1) in the arrays bound in `order`.
-fn place(order: &[usize], ord: i64) -> Option<usize> {
-    let sorted = usize::try_from(ord).ok()?.checked_sub(1)?;
-    order.get(sorted).copied()
-}
-
-/// The service's row wait in a batch, as its statements bind it.
-fn row_wait() -> String {
-    format!("{}ms", BATCH_ROW_WAIT.as_millis())
+    }))
 }
 
 /// The leading columns of a row of the service's insert-or-read: its
@@ -372,23 +353,22 @@ async fn service_update(
     finish: Finish<'_>,
 ) -> sqlx::Result<Vec<(usize, Timestamp)>> {
     let order = key_order(ids);
-    let ids = permuted(ids, &order);
     let rows: Vec<(i64, Option<Timestamp>)> = sqlx::query_as(BATCH_FINISH_SQL)
-        .bind(column(&ids, |id| &id.namespace))
-        .bind(column(&ids, |id| &id.operation))
-        .bind(column(&ids, |id| &id.subject))
-        .bind(column(&ids, |id| &id.key))
-        .bind(permuted(&finish.tokens, &order))
+        .bind(order.column(ids, |id| id.namespace.as_str()))
+        .bind(order.column(ids, |id| id.operation.as_str()))
+        .bind(order.column(ids, |id| id.subject.as_str()))
+        .bind(order.column(ids, |id| id.key.as_str()))
+        .bind(order.column(&finish.tokens, |token| *token))
         .bind(vec!["completed"; ids.len()])
-        .bind(permuted(&finish.statuses, &order))
-        .bind(permuted(&finish.bodies, &order))
-        .bind(permuted(&finish.headers, &order))
-        .bind(row_wait())
+        .bind(order.column(&finish.statuses, |status| *status))
+        .bind(order.column(&finish.bodies, |body| *body))
+        .bind(order.column(&finish.headers, |headers| Json(headers.0)))
+        .bind(batch_lock_timeout())
         .fetch_all(connection)
         .await?;
     Ok(rows
         .into_iter()
-        .filter_map(|(ord, completed_at)| Some((place(&order, ord)?, completed_at?)))
+        .filter_map(|(ord, completed_at)| Some((order.input(ord)?, completed_at?)))
         .collect())
 }
 

@@ -2,7 +2,7 @@
 
 use std::{
     collections::BTreeMap,
-    sync::{Arc, Mutex},
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
     time::Duration,
 };
 
@@ -131,10 +131,14 @@ impl Drop for Recorder {
 
 /// The run's stats, even if a worker panicked holding the lock (its panic is
 /// reported on its own).
-fn lock(stats: &Mutex<Stats>) -> std::sync::MutexGuard<'_, Stats> {
-    stats
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+fn lock(stats: &Mutex<Stats>) -> MutexGuard<'_, Stats> {
+    stats.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The run's stats once every [`Recorder`] handed its last over; `None`
+/// while one still lives.
+pub fn collected(shared: Arc<Mutex<Stats>>) -> Option<Stats> {
+    Arc::into_inner(shared).map(|stats| stats.into_inner().unwrap_or_else(PoisonError::into_inner))
 }
 
 /// A short, stable name for an error of the client.

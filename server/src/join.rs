@@ -32,18 +32,15 @@ const IN_PLACE: usize = 30;
 pub fn join_in_order<F: Future>(
     futures: impl IntoIterator<Item = F>,
 ) -> impl Future<Output = Vec<F::Output>> {
-    let mut futures = futures.into_iter();
+    // `Take` bounds its size hint by IN_PLACE, so each `join_all` keeps its
+    // futures in place, without first collecting them into a Vec.
+    let mut futures = futures.into_iter().peekable();
     let mut chunks = Vec::new();
-    loop {
-        let chunk: Vec<F> = futures.by_ref().take(IN_PLACE).collect();
-        if chunk.is_empty() {
-            break;
-        }
-        chunks.push(join_all(chunk));
+    while futures.peek().is_some() {
+        chunks.push(join_all(futures.by_ref().take(IN_PLACE)));
     }
     async move {
         match chunks.len() {
-            0 => Vec::new(),
             1 => chunks.pop().expect("one chunk").await,
             _ => join_all(chunks).await.into_iter().flatten().collect(),
         }

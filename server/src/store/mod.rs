@@ -49,11 +49,12 @@ pub mod stats;
 
 pub use records::{AcquireAttempt, AcquireInput, FinishInput};
 pub use replay_share::LoneAcquire;
-/// The batch statements' text and their row wait, for the load generator's
-/// floor (`bench/src/floor.rs`), which runs them with none of the service
-/// around them.
+/// The batch statements' text, their key order and their row wait, for the
+/// load generator's floor (`bench/src/floor.rs`), which runs them with none
+/// of the service around them.
 pub use statements::{
-    BATCH_ROW_WAIT, FINISH as BATCH_FINISH_SQL, INSERT_OR_READ as BATCH_INSERT_OR_READ_SQL,
+    FINISH as BATCH_FINISH_SQL, INSERT_OR_READ as BATCH_INSERT_OR_READ_SQL, KeyOrder,
+    batch_lock_timeout,
 };
 
 use std::{

@@ -49,10 +49,15 @@ impl RowWait {
     /// The statement's `lock_timeout`; `None` keeps the session's.
     fn lock_timeout(self) -> Option<String> {
         match self {
-            Self::Brief => Some(format!("{}ms", BATCH_ROW_WAIT.as_millis())),
+            Self::Brief => Some(batch_lock_timeout()),
             Self::Full => None,
         }
     }
+}
+
+/// A batch statement's `lock_timeout` parameter: [`BATCH_ROW_WAIT`].
+pub fn batch_lock_timeout() -> String {
+    format!("{}ms", BATCH_ROW_WAIT.as_millis())
 }
 
 /// Inputs in key order, which is the order the insert inserts (and so
@@ -64,32 +69,43 @@ impl RowWait {
 /// statements of one batcher never share a record: a call waits for the
 /// end of the running statement that holds its record. Calls alone and
 /// other replicas' statements may.)
-struct KeyOrder(Vec<usize>);
+///
+/// Public for the load generator's floor, which binds these statements as
+/// the store does.
+pub struct KeyOrder(Vec<usize>);
 
 impl KeyOrder {
     /// The key order of `records`, which must be distinct (see the module
     /// docs; checked in debug builds).
     fn of<'a>(records: impl Iterator<Item = &'a RecordId>) -> Self {
-        let records: Vec<&RecordId> = records.collect();
-        let mut order: Vec<usize> = (0..records.len()).collect();
+        Self::by_scope(records.map(sort_key))
+    }
+
+    /// The key order of records given as (namespace, operation, subject,
+    /// key), which must be distinct (checked in debug builds).
+    pub fn by_scope<'a>(
+        scopes: impl Iterator<Item = (&'a str, &'a str, &'a str, &'a str)>,
+    ) -> Self {
+        let scopes: Vec<_> = scopes.collect();
+        let mut order: Vec<usize> = (0..scopes.len()).collect();
         // Unstable is enough: the records are distinct.
-        order.sort_unstable_by(|&a, &b| sort_key(records[a]).cmp(&sort_key(records[b])));
+        order.sort_unstable_by_key(|&i| scopes[i]);
         debug_assert!(
             order
                 .windows(2)
-                .all(|pair| records[pair[0]] != records[pair[1]]),
+                .all(|pair| scopes[pair[0]] != scopes[pair[1]]),
             "a statement's inputs are for distinct records"
         );
         Self(order)
     }
 
     /// One array parameter: `part` of each input, in key order.
-    fn column<'i, T: ?Sized, V>(&self, inputs: &'i [Arc<T>], part: impl Fn(&'i T) -> V) -> Vec<V> {
-        self.0.iter().map(|&i| part(&*inputs[i])).collect()
+    pub fn column<'i, T, V>(&self, inputs: &'i [T], part: impl Fn(&'i T) -> V) -> Vec<V> {
+        self.0.iter().map(|&i| part(&inputs[i])).collect()
     }
 
     /// The input at `ord`, a row's place (from 1) in the arrays.
-    fn input(&self, ord: i64) -> Option<usize> {
+    pub fn input(&self, ord: i64) -> Option<usize> {
         let place = usize::try_from(ord).ok()?.checked_sub(1)?;
         self.0.get(place).copied()
     }
