@@ -271,6 +271,20 @@ def auth_results(runs):
     return results
 
 
+def ceiling_entry(name, ceiling, service_runs, service_ops):
+    """A ceiling's keys/s, WAL per key and the service's pairs/s against it,
+    overall and per repetition (each against the ceiling run just before)."""
+    keys_per_sec = median([r["keys_per_sec"] for r in ceiling])
+    wal = [r["wal_bytes"] / (r["ops"] * r["keys_per_op"]) for r in ceiling if r["ops"]]
+    return {
+        f"{name}_keys_per_sec": keys_per_sec,
+        f"{name}_wal_bytes_per_key": round(median(wal)) if wal else None,
+        f"ratio_service_to_{name}": (round(service_ops / keys_per_sec, 3)
+                                     if service_ops and keys_per_sec else None),
+        f"{name}_ratios_per_repeat": paired_ratios(ceiling, service_runs, "keys_per_sec"),
+    }
+
+
 def summary(raw, out, meta_json):
     meta = json.loads(meta_json)
     all_runs = [json.loads(line) for line in open(raw)]
@@ -306,13 +320,15 @@ def summary(raw, out, meta_json):
         entry["ratio_service_to_ceiling"] = None
         entry["ceiling_ratios_per_repeat"] = []
         if scenario == "new-keys" and ceiling:
-            entry["ceiling_keys_per_sec"] = median([r["keys_per_sec"] for r in ceiling])
+            entry.update(ceiling_entry("ceiling", ceiling, entry["service"]["runs"], sv))
             entry["ceiling_clients"] = ceiling[0]["clients"]
             entry["ceiling_keys_per_statement"] = ceiling[0]["keys_per_op"]
-            entry["ratio_service_to_ceiling"] = (round(sv / entry["ceiling_keys_per_sec"], 3)
-                                                 if sv and entry["ceiling_keys_per_sec"] else None)
-            entry["ceiling_ratios_per_repeat"] = paired_ratios(
-                ceiling, entry["service"]["runs"], "keys_per_sec")
+        # The ceiling as it was until 2026-12-06 (its keys adjacent in the
+        # index), at the concurrency where make bench measures it beside.
+        adjacent = [r for r in runs if r["tool"] == "pgbench"
+                    and r["scenario"] == "ceiling-adjacent" and r["concurrency"] == c]
+        if scenario == "new-keys" and adjacent:
+            entry.update(ceiling_entry("ceiling_adjacent", adjacent, entry["service"]["runs"], sv))
         results.append(entry)
 
     doc = {
@@ -389,7 +405,24 @@ def summary(raw, out, meta_json):
         for e in ceilings:
             ratios = ", ".join(f"{r:.2f}" for r in e["ceiling_ratios_per_repeat"])
             lines.append(f"- new-key pairs at {e['concurrency']}: {ratios} "
-                         f"(median {median(e['ceiling_ratios_per_repeat']):.2f})")
+                         f"(median {median(e['ceiling_ratios_per_repeat']):.2f}); "
+                         f"the ceiling's WAL {num(e['ceiling_wal_bytes_per_key'])} bytes/key")
+    adjacent = [e for e in results if e.get("ceiling_adjacent_ratios_per_repeat")]
+    if adjacent:
+        lines.append("")
+        lines.append(
+            "Beside it, the ceiling as it was until 2026-12-06, a statement's keys adjacent in "
+            "the index (bench/pgbench/ceiling_pair_adjacent.sql), run just before each "
+            "pgbench pair:")
+        lines.append("")
+        for e in adjacent:
+            ratios = ", ".join(f"{r:.2f}" for r in e["ceiling_adjacent_ratios_per_repeat"])
+            lines.append(
+                f"- at {e['concurrency']}: {num(e['ceiling_adjacent_keys_per_sec'])} keys/s "
+                f"against the ceiling's {num(e['ceiling_keys_per_sec'])} "
+                f"(WAL {num(e['ceiling_adjacent_wal_bytes_per_key'])} against "
+                f"{num(e['ceiling_wal_bytes_per_key'])} bytes/key); service / it {ratios} "
+                f"(median {median(e['ceiling_adjacent_ratios_per_repeat']):.2f})")
     if memory:
         lines += [""] + memory_table(memory, ms, num)
     if auth:

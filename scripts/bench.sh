@@ -9,7 +9,11 @@
 #             and the durable ceiling: pgbench bench/pgbench/ceiling_pair.sql,
 #             the same insert and update as multi-row statements of
 #             BENCH_CEILING_KEYS (32) keys, BENCH_CEILING_CLIENTS (8) clients,
-#             in keys/s (the most this Postgres does with these rows);
+#             in keys/s (the most this Postgres does with these rows; a
+#             statement's keys spread over the index as the service's are),
+#             and at the highest concurrency also the ceiling as it was
+#             until 2026-12-06 (ceiling_pair_adjacent.sql: a statement's
+#             keys adjacent in the index);
 #   replay:   pgbench bench/pgbench/replay.sql (a primary-key SELECT) against
 #             idempotency-bench --scenario replay (Acquire of a completed key),
 #             on the server as configured (replay cache on: hits from memory)
@@ -214,7 +218,7 @@ run_pgbench() { # scenario script concurrency rep extra-args...
   # The ceiling runs its own number of clients; its record keeps the row's
   # concurrency, to pair it with the runs beside it.
   local clients=$c keys=1 prefix="$work/pgb-$scenario-$c-$rep" before lsn
-  if [ "$scenario" = ceiling ]; then clients=$ceiling_clients keys=$ceiling_keys; fi
+  if [[ $scenario == ceiling* ]]; then clients=$ceiling_clients keys=$ceiling_keys; fi
   settle
   lsn=$(wal_lsn)
   before=$(ticks)
@@ -222,7 +226,7 @@ run_pgbench() { # scenario script concurrency rep extra-args...
   # statistics yet its generic plan would scan the table, as the service's
   # would without the guards its sessions have (index lookups only).
   local options=${PGOPTIONS:-}
-  if [ "$scenario" = ceiling ]; then options="$options -c enable_seqscan=off"; fi
+  if [[ $scenario == ceiling* ]]; then options="$options -c enable_seqscan=off"; fi
   PGOPTIONS=$options "$pgbench" -M prepared -n -c "$clients" -j 2 -T "$seconds" -f "$script" "$@" \
     --log --log-prefix="$prefix" "$DATABASE_URL" >"$prefix.out" 2>"$prefix.err" ||
     { cat "$prefix.out" "$prefix.err" >&2; exit 1; }
@@ -262,8 +266,13 @@ if part new-keys; then
   # their rows.
   sql "ALTER TABLE idempotency_records SET (autovacuum_enabled = false)"
   vacuum_first=1
+  highest=$(printf '%s\n' $concurrencies | sort -n | tail -n 1)
   for c in $concurrencies; do
     for rep in $(seq "$repeats"); do
+      if [ "$c" = "$highest" ]; then
+        run_pgbench ceiling-adjacent bench/pgbench/ceiling_pair_adjacent.sql "$c" "$rep" \
+          -D "payload=$payload" -D "keys=$ceiling_keys"
+      fi
       run_pgbench new-keys bench/pgbench/new_key_pair.sql "$c" "$rep" -D "payload=$payload"
       run_pgbench ceiling bench/pgbench/ceiling_pair.sql "$c" "$rep" -D "payload=$payload" \
         -D "keys=$ceiling_keys"

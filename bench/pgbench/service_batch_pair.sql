@@ -11,7 +11,8 @@
 -- the Complete, so the Complete's arrays hold token 0 and its condition
 -- reads `r.fencing_token <> v.token` where the server's reads `=` (the
 -- same cost, on the same row). Kept in step with the server's
--- statements by a test in statements.rs.
+-- statements by a test in statements.rs. The keys are laid out in the index
+-- as ceiling_pair.sql's (a region per run, then per client and row).
 --
 -- Run with: PGOPTIONS="-c enable_seqscan=off -c enable_bitmapscan=off -c jit=off"
 --   pgbench -M prepared -n -f service_batch_pair.sql -D payload=256 -D keys=64 -c 2 ...
@@ -19,7 +20,7 @@
 \set r random(1, 1000000000000000)
 WITH input AS (
     SELECT * FROM unnest(array_fill('bench'::text, ARRAY[:keys::int]), array_fill('POST /bench'::text, ARRAY[:keys::int]), array_fill('pgbench'::text, ARRAY[:keys::int]),
-                         ARRAY(SELECT 's-' || :client_id::text || '-' || :r::text || '-' || i FROM generate_series(1, :keys::int) i),
+                         ARRAY(SELECT 's-' || :random_seed::text || '-' || :client_id::text || '-' || i || '-' || :r::text FROM generate_series(1, :keys::int) i),
                          array_fill('\x000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f'::bytea, ARRAY[:keys::int]),
                          array_fill('24 hours'::interval, ARRAY[:keys::int]), array_fill('60 s'::interval, ARRAY[:keys::int]))
         WITH ORDINALITY AS v(namespace, operation, subject, key, fingerprint, ttl, lease, ord)
@@ -53,7 +54,7 @@ WHERE NOT EXISTS (SELECT 1 FROM inserted x
                       = (i.namespace, i.operation, i.subject, i.key));
 WITH v AS (
     SELECT * FROM unnest(array_fill('bench'::text, ARRAY[:keys::int]), array_fill('POST /bench'::text, ARRAY[:keys::int]), array_fill('pgbench'::text, ARRAY[:keys::int]),
-                         ARRAY(SELECT 's-' || :client_id::text || '-' || :r::text || '-' || i FROM generate_series(1, :keys::int) i),
+                         ARRAY(SELECT 's-' || :random_seed::text || '-' || :client_id::text || '-' || i || '-' || :r::text FROM generate_series(1, :keys::int) i),
                          array_fill(0::int8, ARRAY[:keys::int]),
                          array_fill('completed'::text, ARRAY[:keys::int]), array_fill(201, ARRAY[:keys::int]),
                          array_fill(convert_to(repeat('x', :payload::int), 'UTF8'), ARRAY[:keys::int]), array_fill('{}'::jsonb, ARRAY[:keys::int]))
