@@ -115,7 +115,7 @@ def service_record(scenario, c, rep, path, before, after, wal, vmhwm, in_flight_
 def progress(raw):
     r = json.loads(open(raw).read().splitlines()[-1])
     lat = r["latency_us"]
-    line = "bench:   %-8s %-11s c=%-3d rep %d: %9.1f/s  p50 %6.2f ms  p99 %6.2f ms  other load %3.0f %%" % (
+    line = "bench:   %-8s %-16s c=%-3d rep %d: %9.1f/s  p50 %6.2f ms  p99 %6.2f ms  other load %3.0f %%" % (
         r["tool"], r["scenario"], r["concurrency"], r["rep"], r["ops_per_sec"],
         (lat["p50"] or 0) / 1000, (lat["p99"] or 0) / 1000, 100 * (r.get("other_cpu_busy") or 0))
     if r.get("keys_per_op", 1) > 1:
@@ -273,7 +273,8 @@ def auth_results(runs):
 
 def ceiling_entry(name, ceiling, service_runs, service_ops):
     """A ceiling's keys/s, WAL per key and the service's pairs/s against it,
-    overall and per repetition (each against the ceiling run just before)."""
+    overall and per repetition (each against that ceiling's run in the same
+    repetition)."""
     keys_per_sec = median([r["keys_per_sec"] for r in ceiling])
     wal = [r["wal_bytes"] / (r["ops"] * r["keys_per_op"]) for r in ceiling if r["ops"]]
     return {
@@ -329,6 +330,11 @@ def summary(raw, out, meta_json):
                     and r["scenario"] == "ceiling-adjacent" and r["concurrency"] == c]
         if scenario == "new-keys" and adjacent:
             entry.update(ceiling_entry("ceiling_adjacent", adjacent, entry["service"]["runs"], sv))
+            # The new ceiling against the old, repetition by repetition.
+            entry["ceiling_to_adjacent_per_repeat"] = [
+                round(r["keys_per_sec"] / a["keys_per_sec"], 3)
+                for r in sorted(ceiling, key=lambda r: r["rep"])
+                for a in adjacent if a["rep"] == r["rep"] and a["keys_per_sec"]]
         results.append(entry)
 
     doc = {
@@ -411,18 +417,20 @@ def summary(raw, out, meta_json):
     if adjacent:
         lines.append("")
         lines.append(
-            "Beside it, the ceiling as it was until 2026-12-06, a statement's keys adjacent in "
-            "the index (bench/pgbench/ceiling_pair_adjacent.sql), run just before each "
-            "pgbench pair:")
+            "Beside it, the old ceiling (until 2026-12-06: a statement's keys adjacent in "
+            "the index, bench/pgbench/ceiling_pair_adjacent.sql), run first in odd "
+            "repetitions and last in even ones:")
         lines.append("")
         for e in adjacent:
-            ratios = ", ".join(f"{r:.2f}" for r in e["ceiling_adjacent_ratios_per_repeat"])
+            ratios = ", ".join(f"{r:.3f}" for r in e["ceiling_adjacent_ratios_per_repeat"])
+            versus = ", ".join(f"{r:.3f}" for r in e.get("ceiling_to_adjacent_per_repeat", []))
             lines.append(
                 f"- at {e['concurrency']}: {num(e['ceiling_adjacent_keys_per_sec'])} keys/s "
-                f"against the ceiling's {num(e['ceiling_keys_per_sec'])} "
-                f"(WAL {num(e['ceiling_adjacent_wal_bytes_per_key'])} against "
-                f"{num(e['ceiling_wal_bytes_per_key'])} bytes/key); service / it {ratios} "
-                f"(median {median(e['ceiling_adjacent_ratios_per_repeat']):.2f})")
+                f"against the ceiling's {num(e.get('ceiling_keys_per_sec'))} "
+                f"(the ceiling / the old per repetition: {versus}; WAL "
+                f"{num(e['ceiling_adjacent_wal_bytes_per_key'])} against "
+                f"{num(e.get('ceiling_wal_bytes_per_key'))} bytes/key); service / old ceiling "
+                f"{ratios} (median {median(e['ceiling_adjacent_ratios_per_repeat']):.3f})")
     if memory:
         lines += [""] + memory_table(memory, ms, num)
     if auth:

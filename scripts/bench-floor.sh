@@ -34,6 +34,8 @@ if [ -z "${FLOOR_INNER:-}" ]; then
   exec env -u DATABASE_URL FLOOR_INNER=1 PG_FSYNC=on scripts/with-postgres.sh "$0" "$@"
 fi
 
+# pgbench's scripts take a region of keys per run from its random_seed.
+unset PGBENCH_RANDOM_SEED
 seconds=${BENCH_SECONDS:-4}
 rounds=${FLOOR_ROUNDS:-4}
 concurrencies=${FLOOR_CONCURRENCY:-16 256}
