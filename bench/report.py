@@ -17,6 +17,7 @@ import platform
 import re
 import statistics
 import sys
+import urllib.request
 
 
 def proc_times(pid):
@@ -97,7 +98,41 @@ def pgbench_record(scenario, c, rep, prefix, before, after, wal, clients=None, k
     }
 
 
-def service_record(scenario, c, rep, path, before, after, wal, vmhwm, in_flight_peak=None):
+def statement_counts(metrics_port):
+    """The server's running count of batch statements and the calls they held,
+    per kind (`idempotency_db_batch_size`), as "kind:calls:statements,...";
+    empty if its metrics cannot be read."""
+    try:
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        page = urllib.request.urlopen(url, timeout=2).read().decode()
+    except (OSError, ValueError):
+        return ""
+    counts = {}
+    for line in page.splitlines():
+        m = re.match(r'idempotency_db_batch_size_(sum|count)\{query="(\w+)"\} (\S+)', line)
+        if m:
+            counts.setdefault(m[2], {})[m[1]] = float(m[3])
+    return ",".join(f"{k}:{v.get('sum', 0):.0f}:{v.get('count', 0):.0f}" for k, v in counts.items())
+
+
+def calls_per_statement(before, after):
+    """Calls per batch statement of each kind between two `statement_counts`:
+    at 16 callers this tells whether the callers moved as one group (16.0) or
+    split into groups that take turns (about 8)."""
+    def parse(text):
+        return {k: (float(a), float(b)) for k, a, b in
+                (item.split(":") for item in (text or "").split(",") if item)}
+    b, a = parse(before), parse(after)
+    per = {}
+    for kind, (calls, statements) in a.items():
+        calls0, statements0 = b.get(kind, (0.0, 0.0))
+        if statements > statements0:
+            per[kind] = round((calls - calls0) / (statements - statements0), 2)
+    return per or None
+
+
+def service_record(scenario, c, rep, path, before, after, wal, vmhwm, in_flight_peak="",
+                   statements_before="", statements_after=""):
     r = json.load(open(path))
     # WAL and the other load were sampled around the whole invocation, warm-up
     # included; the load generator's own CPU figures cover the timed part only.
@@ -106,7 +141,9 @@ def service_record(scenario, c, rep, path, before, after, wal, vmhwm, in_flight_
     r.update({
         "tool": "service", "scenario": scenario, "concurrency": int(c), "rep": int(rep),
         "other_cpu_busy": other, "server_vmhwm_kb": int(vmhwm), "wal_bytes": int(wal),
-        "server_in_flight_peak": int(in_flight_peak) if in_flight_peak is not None else None,
+        "server_in_flight_peak": int(in_flight_peak) if in_flight_peak not in (None, "") else None,
+        # Warm-up included, as the WAL.
+        "server_calls_per_statement": calls_per_statement(statements_before, statements_after),
         "wal_bytes_per_op": round(int(wal) / calls) if calls else None,
     })
     return r
@@ -400,6 +437,20 @@ def summary(raw, out, meta_json):
             ratios = ", ".join(f"{r:.2f}" for r in e["ratios_per_repeat"])
             lines.append(f"- {ROW_LABEL.get(e['scenario'], e['scenario'])} at {e['concurrency']}: "
                          f"{ratios} (median {e['ratio_per_repeat_median']:.2f})")
+    grouped = [e for e in results if e["scenario"] == "new-keys" and any(
+        r.get("server_calls_per_statement") for r in e["service"]["runs"])]
+    if grouped:
+        lines.append("")
+        lines.append(
+            "Calls per Acquire statement per repetition (the server's "
+            "idempotency_db_batch_size over the run, warm-up included; at 16 callers 16.0 "
+            "when they move as one group, about 8 when they split into two that take turns):")
+        lines.append("")
+        for e in grouped:
+            per = [(r.get("server_calls_per_statement") or {}).get("acquire")
+                   for r in sorted(e["service"]["runs"], key=lambda r: r["rep"])]
+            lines.append(f"- new-key pairs at {e['concurrency']}: "
+                         + ", ".join("-" if x is None else f"{x:.1f}" for x in per))
     ceilings = [e for e in results if e["ceiling_ratios_per_repeat"]]
     if ceilings:
         lines.append("")
@@ -503,6 +554,8 @@ def main(argv):
         print(cpu_fractions(*args)[1])
     elif command == "pgbench":
         print(json.dumps(pgbench_record(*args)))
+    elif command == "statements":
+        print(statement_counts(*args))
     elif command == "service":
         print(json.dumps(service_record(*args)))
     elif command == "progress":

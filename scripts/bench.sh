@@ -170,7 +170,9 @@ start_server() { # extra serve flags...; sets started_pid, started_endpoint, sta
     sleep 0.1
   done
   started_endpoint="$scheme://127.0.0.1:$grpc_port" started_metrics_port=$metrics_port
+  metrics_port_of[$started_pid]=$metrics_port
 }
+declare -A metrics_port_of
 servers=0
 server_threads=${BENCH_SERVER_THREADS:-1}
 server_args="${BENCH_SERVER_ARGS:-}"
@@ -242,8 +244,12 @@ run_pgbench() { # scenario script concurrency rep extra-args...
 run_service() { # scenario label concurrency rep extra-args...
   local scenario=$1 label=$2 c=$3 rep=$4
   shift 4
-  local conns=$((c < connections ? c : connections)) before lsn
+  local conns=$((c < connections ? c : connections)) before lsn statements
   settle
+  # The server's batch statements and their calls so far: the record keeps
+  # the calls per statement of this run (at 16 callers, whether the callers
+  # moved as one group or split into groups taking turns).
+  statements=$(report statements "${metrics_port_of[$server_pid]:-0}")
   lsn=$(wal_lsn)
   before=$(ticks)
   "$bench_bin" --endpoint "$endpoint" --scenario "$scenario" --concurrency "$c" \
@@ -254,7 +260,8 @@ run_service() { # scenario label concurrency rep extra-args...
   if [ -s "$work/service.err" ]; then sed 's/^/  /' "$work/service.err" >&2; fi
   kill -0 "$server_pid" 2>/dev/null || { say "the server died; its logs:"; cat "$work"/server-*.log >&2; exit 1; }
   report service "$label" "$c" "$rep" "$work/service.json" "$before" "$(ticks)" \
-    "$(wal_since "$lsn")" "$(vmhwm_kb)" >>"$raw"
+    "$(wal_since "$lsn")" "$(vmhwm_kb)" "" "$statements" \
+    "$(report statements "${metrics_port_of[$server_pid]:-0}")" >>"$raw"
   report progress "$raw"
 }
 
