@@ -160,6 +160,9 @@ def progress(raw):
     if r.get("server_in_flight_peak") is not None:
         line += "  in flight at most %d, peak RSS %.1f MiB" % (
             r["server_in_flight_peak"], r["server_vmhwm_kb"] / 1024)
+    per_statement = r.get("server_calls_per_statement") or {}
+    if r["scenario"] == "new-keys" and per_statement.get("acquire"):
+        line += "  %.1f calls per Acquire statement" % per_statement["acquire"]
     if r.get("errors_total"):
         line += "  errors %d" % r["errors_total"]
     print(line, file=sys.stderr)

@@ -9,6 +9,11 @@
 # difference seen in most rounds is one this machine resolves; one run of
 # each, minutes apart, is not (docs/performance.md, "Comparing two variants").
 #
+# AB_LOADGEN=1: A and B are two builds of the load generator (idempotency-bench,
+# to compare two client libraries) loading one server, target/release/
+# idempotencyd, with the load generator's default threads, as in make bench.
+# Each measurement prints the server's calls per statement over it.
+#
 # AB_CONCURRENCY (1), AB_ROUNDS (6), AB_SECONDS (4), AB_SCENARIO (new-keys,
 # replay or mixed), AB_SERVER_ARGS (flags for both servers, e.g.
 # --replay-cache-bytes 0), AB_CLIENT_ARGS (flags for the load generator, e.g.
@@ -23,16 +28,28 @@ say() { printf 'bench-ab: %s\n' "$*" >&2; }
 if [ -z "${AB_INNER:-}" ]; then
   if [ $# -ne 2 ] || [ ! -x "$1" ] || [ ! -x "$2" ]; then
     say "usage: scripts/bench-ab.sh A_IDEMPOTENCYD B_IDEMPOTENCYD (two executables)"
+    say "       AB_LOADGEN=1 scripts/bench-ab.sh A_IDEMPOTENCY_BENCH B_IDEMPOTENCY_BENCH"
     exit 2
   fi
-  cargo build --release --locked -p idempotency-bench
+  if [ "${AB_LOADGEN:-0}" = 1 ]; then
+    cargo build --release --locked -p idempotency-server
+  else
+    cargo build --release --locked -p idempotency-bench
+  fi
   exec env -u DATABASE_URL AB_INNER=1 PG_FSYNC=on scripts/with-postgres.sh "$0" "$(realpath "$1")" "$(realpath "$2")"
 fi
 
 a_bin=$1 b_bin=$2
 c=${AB_CONCURRENCY:-1} rounds=${AB_ROUNDS:-6} seconds=${AB_SECONDS:-4}
 scenario=${AB_SCENARIO:-new-keys}
-bench_bin=target/release/idempotency-bench
+loadgen=${AB_LOADGEN:-0}
+bench_a=target/release/idempotency-bench bench_b=target/release/idempotency-bench
+threads=(--threads 1)
+if [ "$loadgen" = 1 ]; then
+  # The two binaries are load generators; both load the one server.
+  bench_a=$a_bin bench_b=$b_bin a_bin=target/release/idempotencyd b_bin=target/release/idempotencyd
+  threads=()
+fi
 # shellcheck source=scripts/pg-client.sh
 . scripts/pg-client.sh
 work=$(mktemp -d "${TMPDIR:-/tmp}/idempotency-ab.XXXXXX")
@@ -63,22 +80,34 @@ start() { # name binary; sets port_<name>, metrics_<name>, pid_<name>
   exit 1
 }
 start a "$a_bin"
-start b "$b_bin"
-say "A $a_bin (pid $pid_a), B $b_bin (pid $pid_b); $rounds rounds of ${seconds}s, $scenario, $c callers"
+if [ "$loadgen" = 1 ]; then
+  pid_b=$pid_a port_b=$port_a metrics_b=$metrics_a
+  say "A $bench_a, B $bench_b, both loading $a_bin (pid $pid_a); $rounds rounds of ${seconds}s, $scenario, $c callers"
+else
+  start b "$b_bin"
+  say "A $a_bin (pid $pid_a), B $b_bin (pid $pid_b); $rounds rounds of ${seconds}s, $scenario, $c callers"
+fi
+
+statements() { python3 bench/report.py statements "$1"; }
 
 measure() { # name round
-  local port=port_$1 pid=pid_$1
+  local port=port_$1 pid=pid_$1 metrics=metrics_$1 bench=bench_$1 before
   "$psql" -q -c CHECKPOINT "$DATABASE_URL" >/dev/null
+  before=$(statements "${!metrics}")
   # shellcheck disable=SC2086 # AB_CLIENT_ARGS is a list of flags
-  "$bench_bin" --endpoint "http://127.0.0.1:${!port}" --scenario "$scenario" --concurrency "$c" \
-    --connections 1 --threads 1 --duration "${seconds}s" --warmup 1s --payload-bytes 256 \
+  "${!bench}" --endpoint "http://127.0.0.1:${!port}" --scenario "$scenario" --concurrency "$c" \
+    --connections 1 "${threads[@]}" --duration "${seconds}s" --warmup 1s --payload-bytes 256 \
     --keys 1000 --server-pid "${!pid}" ${AB_CLIENT_ARGS:-} --json >"$work/$1-$2.json"
-  python3 - "$work/$1-$2.json" "$1" <<'EOF'
+  python3 - "$work/$1-$2.json" "$1" "$before" "$(statements "${!metrics}")" <<'EOF'
 import json, sys
+sys.path.insert(0, "bench")
+from report import calls_per_statement
 d = json.load(open(sys.argv[1]))
 cpu = lambda k: 1e6 * (d[k] or 0) / d["ops"]
+per = calls_per_statement(sys.argv[3], sys.argv[4]) or {}
 print(f"{sys.argv[2].upper()}        {d['ops_per_sec']:9.1f}/s  p50 {d['latency_us']['p50']:6d} µs  "
-      f"server CPU {cpu('server_cpu_seconds'):5.0f} µs/op  load generator {cpu('client_cpu_seconds'):4.0f}")
+      f"server CPU {cpu('server_cpu_seconds'):5.0f} µs/op  load generator {cpu('client_cpu_seconds'):4.0f}  "
+      "calls per statement " + ", ".join(f"{k} {v}" for k, v in sorted(per.items())))
 EOF
 }
 
@@ -107,7 +136,9 @@ print("B against A, per round: p50 " + " / ".join(f"{d:+d}" for d in diffs) + " 
 print(f"medians: p50 {statistics.median(diffs):+.0f} µs, ops/s {statistics.median(ratios):.3f}x; "
       f"B faster in {sum(x > 1 for x in ratios)} of {rounds} rounds")
 EOF
-for name in a b; do
+servers="a b"
+if [ "$loadgen" = 1 ]; then servers=a; fi
+for name in $servers; do
   metrics=metrics_$name
   curl -s "http://127.0.0.1:${!metrics}/metrics" >"$work/$name.metrics"
   python3 - "$work/$name.metrics" "$name" <<'EOF'
