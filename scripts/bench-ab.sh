@@ -16,8 +16,10 @@
 #
 # AB_CONCURRENCY (1), AB_ROUNDS (6), AB_SECONDS (4), AB_SCENARIO (new-keys,
 # replay or mixed), AB_SERVER_ARGS (flags for both servers, e.g.
-# --replay-cache-bytes 0), AB_CLIENT_ARGS (flags for the load generator, e.g.
-# --mix 10:90).
+# --replay-cache-bytes 0; AB_SERVER_ARGS_A and AB_SERVER_ARGS_B add flags for
+# one of them, e.g. TLS and auth for B alone: a server with --tls-cert is
+# called over https), AB_CLIENT_ARGS (flags for the load generator, with
+# AB_CLIENT_ARGS_A and AB_CLIENT_ARGS_B for one side; e.g. --mix 10:90).
 # Prints each measurement, then per round B against A (p50 difference, pairs/s
 # ratio) and their medians, and each server's rows per statement.
 set -euo pipefail
@@ -64,9 +66,12 @@ start() { # name binary; sets port_<name>, metrics_<name>, pid_<name>
   local grpc metrics
   grpc=$(free_port)
   metrics=$(free_port)
-  # shellcheck disable=SC2086 # AB_SERVER_ARGS is a list of flags
+  local own=AB_SERVER_ARGS_${1^^} scheme=http
+  [[ " ${AB_SERVER_ARGS:-} ${!own:-} " == *" --tls-cert "* ]] && scheme=https
+  printf -v "scheme_$1" '%s' "$scheme"
+  # shellcheck disable=SC2086 # AB_SERVER_ARGS are lists of flags
   "$2" serve --grpc-addr "127.0.0.1:$grpc" --metrics-addr "127.0.0.1:$metrics" \
-    --reaper-enabled false --worker-threads 1 ${AB_SERVER_ARGS:-} >"$work/$1.log" 2>&1 &
+    --reaper-enabled false --worker-threads 1 ${AB_SERVER_ARGS:-} ${!own:-} >"$work/$1.log" 2>&1 &
   pids="$pids $!"
   printf -v "pid_$1" '%s' "$!"
   printf -v "port_$1" '%s' "$grpc"
@@ -81,7 +86,7 @@ start() { # name binary; sets port_<name>, metrics_<name>, pid_<name>
 }
 start a "$a_bin"
 if [ "$loadgen" = 1 ]; then
-  pid_b=$pid_a port_b=$port_a metrics_b=$metrics_a
+  pid_b=$pid_a port_b=$port_a metrics_b=$metrics_a scheme_b=$scheme_a
   say "A $bench_a, B $bench_b, both loading $a_bin (pid $pid_a); $rounds rounds of ${seconds}s, $scenario, $c callers"
 else
   start b "$b_bin"
@@ -91,13 +96,14 @@ fi
 statements() { python3 bench/report.py statements "$1"; }
 
 measure() { # name round
-  local port=port_$1 pid=pid_$1 metrics=metrics_$1 bench=bench_$1 before
+  local port=port_$1 pid=pid_$1 metrics=metrics_$1 bench=bench_$1 scheme=scheme_$1
+  local own=AB_CLIENT_ARGS_${1^^} before
   "$psql" -q -c CHECKPOINT "$DATABASE_URL" >/dev/null
   before=$(statements "${!metrics}")
-  # shellcheck disable=SC2086 # AB_CLIENT_ARGS is a list of flags
-  "${!bench}" --endpoint "http://127.0.0.1:${!port}" --scenario "$scenario" --concurrency "$c" \
+  # shellcheck disable=SC2086 # AB_CLIENT_ARGS are lists of flags
+  "${!bench}" --endpoint "${!scheme}://127.0.0.1:${!port}" --scenario "$scenario" --concurrency "$c" \
     --connections 1 "${threads[@]}" --duration "${seconds}s" --warmup 1s --payload-bytes 256 \
-    --keys 1000 --server-pid "${!pid}" ${AB_CLIENT_ARGS:-} --json >"$work/$1-$2.json"
+    --keys 1000 --server-pid "${!pid}" ${AB_CLIENT_ARGS:-} ${!own:-} --json >"$work/$1-$2.json"
   python3 - "$work/$1-$2.json" "$1" "$before" "$(statements "${!metrics}")" <<'EOF'
 import json, sys
 sys.path.insert(0, "bench")
