@@ -146,15 +146,11 @@ servers="a b"
 if [ "$loadgen" = 1 ]; then servers=a; fi
 for name in $servers; do
   metrics=metrics_$name
-  curl -s "http://127.0.0.1:${!metrics}/metrics" >"$work/$name.metrics"
-  python3 - "$work/$name.metrics" "$name" <<'EOF'
-import re, sys
-rows = {}
-for line in open(sys.argv[1]):
-    m = re.match(r'idempotency_db_batch_size_(sum|count)\{query="(\w+)"\} (\S+)', line)
-    if m:
-        rows.setdefault(m[2], {})[m[1]] = float(m[3])
-print(sys.argv[2].upper(), "rows per statement:", ", ".join(
-    f"{q} {v['sum'] / v['count']:.2f} over {v['count']:.0f}" for q, v in sorted(rows.items()) if v.get("count")))
+  # The server's totals, as bench/report.py reads them ("kind:calls:statements,...").
+  python3 - "$name" "$(statements "${!metrics}")" <<'EOF'
+import sys
+rows = sorted(item.split(":") for item in sys.argv[2].split(",") if item)
+print(sys.argv[1].upper(), "rows per statement:", ", ".join(
+    f"{q} {float(calls) / float(n):.2f} over {n}" for q, calls, n in rows if float(n)))
 EOF
 done
