@@ -796,16 +796,33 @@ async fn run(cli: Cli) -> anyhow::Result<Stats> {
     });
 
     let shared = Arc::new(Mutex::new(Stats::default()));
-    let handles: Vec<_> = (0..cli.concurrency)
-        .map(|index| {
-            let plan = plan.clone();
-            let recorder = Recorder::new(shared.clone());
-            tokio::spawn(async move {
-                worker(plan, index, recorder).await;
-                Instant::now()
-            })
+    // The callers are spawned from a task on the runtime, not from this
+    // thread (`block_on`'s, outside the runtime's workers): spawned from here
+    // they went through the runtime's shared queue while its worker already
+    // ran the first of them, so the first few sent their calls before the
+    // rest existed. With the client library's batching that started more than
+    // half the runs at sixteen callers as two groups taking turns (about 8
+    // calls per batch), which merged into one only after 1 to more than 4
+    // seconds, past the warm-up. Spawned from one task they all start in the
+    // same turn of the scheduler, as callers that arrive together do
+    // (docs/performance.md, "Sixteen callers: one group or two").
+    let handles: Vec<_> = {
+        let (plan, shared, concurrency) = (plan.clone(), shared.clone(), cli.concurrency);
+        tokio::spawn(async move {
+            (0..concurrency)
+                .map(|index| {
+                    let plan = plan.clone();
+                    let recorder = Recorder::new(shared.clone());
+                    tokio::spawn(async move {
+                        worker(plan, index, recorder).await;
+                        Instant::now()
+                    })
+                })
+                .collect()
         })
-        .collect();
+        .await
+        .context("spawning the callers")?
+    };
     tokio::time::sleep_until(measure_from.into()).await;
     let server_pid = cli.server_pid.map(|pid| pid.to_string());
     let sample = || {
