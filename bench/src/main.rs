@@ -802,10 +802,12 @@ async fn run(cli: Cli) -> anyhow::Result<Stats> {
     // ran the first of them, so the first few sent their calls before the
     // rest existed. With the client library's batching that started more than
     // half the runs at sixteen callers as two groups taking turns (about 8
-    // calls per batch), which merged into one only after 1 to more than 4
-    // seconds, past the warm-up. Spawned from one task they all start in the
-    // same turn of the scheduler, as callers that arrive together do
-    // (docs/performance.md, "Sixteen callers: one group or two").
+    // calls per batch), which merged into one after 1 to more than 4
+    // seconds, often past the 2 s warm-up. Spawned from one task they all
+    // start in the same turn of the scheduler (with the default single
+    // worker thread; with more, idle workers may steal some as they are
+    // spawned), as callers that arrive together do (docs/performance.md,
+    // "Sixteen callers: one group or two").
     let handles: Vec<_> = {
         let (plan, shared, concurrency) = (plan.clone(), shared.clone(), cli.concurrency);
         tokio::spawn(async move {
