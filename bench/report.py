@@ -115,14 +115,17 @@ def statement_counts(metrics_port):
     return ",".join(f"{k}:{v.get('sum', 0):.0f}:{v.get('count', 0):.0f}" for k, v in counts.items())
 
 
+def parse_statement_counts(text):
+    """`statement_counts`' text back as {kind: (calls, statements)}."""
+    return {k: (float(a), float(b)) for k, a, b in
+            (item.split(":") for item in (text or "").split(",") if item)}
+
+
 def calls_per_statement(before, after):
     """Calls per batch statement of each kind between two `statement_counts`:
     at 16 callers this tells whether the callers moved as one group (16.0) or
     split into groups that take turns (about 8)."""
-    def parse(text):
-        return {k: (float(a), float(b)) for k, a, b in
-                (item.split(":") for item in (text or "").split(",") if item)}
-    b, a = parse(before), parse(after)
+    b, a = parse_statement_counts(before), parse_statement_counts(after)
     per = {}
     for kind, (calls, statements) in a.items():
         calls0, statements0 = b.get(kind, (0.0, 0.0))

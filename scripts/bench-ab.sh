@@ -149,8 +149,10 @@ for name in $servers; do
   # The server's totals, as bench/report.py reads them ("kind:calls:statements,...").
   python3 - "$name" "$(statements "${!metrics}")" <<'EOF'
 import sys
-rows = sorted(item.split(":") for item in sys.argv[2].split(",") if item)
+sys.path.insert(0, "bench")
+from report import parse_statement_counts
+rows = sorted(parse_statement_counts(sys.argv[2]).items())
 print(sys.argv[1].upper(), "rows per statement:", ", ".join(
-    f"{q} {float(calls) / float(n):.2f} over {n}" for q, calls, n in rows if float(n)))
+    f"{q} {calls / n:.2f} over {n:.0f}" for q, (calls, n) in rows if n))
 EOF
 done
