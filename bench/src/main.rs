@@ -258,6 +258,13 @@ struct Cli {
     /// no retries, no spans): with --serve-floor, a gRPC hop's floor.
     #[arg(long, conflicts_with_all = ["tls_ca", "bearer_token_file"])]
     raw_stub: bool,
+    /// With --raw-stub: each caller's op is a batch of N new-key pairs, one
+    /// BatchAcquire of N items and one BatchComplete of those it acquired,
+    /// from the caller's own task: the least a caller that batches by hand
+    /// does, against the client library's batching of N callers. Ops count
+    /// batches; pairs are ops × N (the JSON's `pairs_per_op`).
+    #[arg(long, requires = "raw_stub", value_parser = clap::value_parser!(u32).range(1..=1000))]
+    raw_batch: Option<u32>,
 }
 
 /// What every worker shares.
@@ -269,6 +276,8 @@ struct Plan {
     health: Vec<HealthClient<Channel>>,
     /// `--raw-stub`: one generated stub per connection, in place of `clients`.
     raw: Vec<IdempotencyServiceClient<Channel>>,
+    /// `--raw-batch`: new-key pairs per op through `raw`.
+    raw_batch: Option<u32>,
     namespace: String,
     /// Each call's deadline.
     timeout: Duration,
@@ -460,6 +469,91 @@ async fn raw_pair(plan: &Plan, index: u64, id: RecordId) -> OpResult {
     Ok(("acquired", acquire_latency))
 }
 
+/// `--raw-batch`: new-key pairs through the generated stub in one batch of
+/// each kind: a BatchAcquire of `ids`, then a BatchComplete of those it
+/// acquired with their tokens. "acquired" when it acquired them all; an
+/// error when a Complete of the batch failed.
+async fn raw_batch(plan: &Plan, index: u64, ids: Vec<RecordId>) -> OpResult {
+    let mut stub = plan.raw[(index % plan.raw.len() as u64) as usize].clone();
+    let unexpected = |rpc, status: tonic::Status| (rpc, Error::Unexpected(Box::new(status)));
+    let ids: Vec<pb::RecordId> = ids
+        .into_iter()
+        .map(|id| pb::RecordId {
+            namespace: id.namespace,
+            operation: id.operation,
+            subject: id.subject,
+            key: id.key,
+        })
+        .collect();
+    let requests = ids
+        .iter()
+        .map(|id| pb::AcquireRequest {
+            id: Some(id.clone()),
+            fingerprint: plan.fingerprint.clone(),
+            ttl: plan
+                .ttl
+                .and_then(|ttl| prost_types::Duration::try_from(ttl).ok()),
+            lease: None,
+        })
+        .collect();
+    let mut request = tonic::Request::new(pb::BatchAcquireRequest { requests });
+    request.set_timeout(plan.timeout);
+    let started = Instant::now();
+    let acquired = stub
+        .batch_acquire(request)
+        .await
+        .map_err(|status| unexpected("acquire", status))?
+        .into_inner()
+        .results;
+    let acquire_latency = started.elapsed();
+    let completes: Vec<pb::CompleteRequest> = ids
+        .into_iter()
+        .zip(acquired)
+        .filter_map(|(id, result)| match result.result {
+            Some(pb::batch_acquire_result::Result::Response(pb::AcquireResponse {
+                outcome: Some(pb::acquire_response::Outcome::Acquired(acquired)),
+            })) => Some(pb::CompleteRequest {
+                id: Some(id),
+                fencing_token: acquired.fencing_token,
+                response: Some(plan.response.clone().into()),
+            }),
+            _ => None,
+        })
+        .collect();
+    let all_acquired = completes.len() == plan.raw_batch.unwrap_or(1) as usize;
+    let sent = completes.len();
+    let mut request = tonic::Request::new(pb::BatchCompleteRequest {
+        requests: completes,
+    });
+    request.set_timeout(plan.timeout);
+    let completed = stub
+        .batch_complete(request)
+        .await
+        .map_err(|status| unexpected("complete", status))?
+        .into_inner()
+        .results
+        .iter()
+        .filter(|result| {
+            matches!(
+                result.result,
+                Some(pb::batch_complete_result::Result::Response(_))
+            )
+        })
+        .count();
+    if completed != sent {
+        let status = tonic::Status::internal(format!("{completed} of {sent} Completes succeeded"));
+        return Err(("complete", Error::Unexpected(Box::new(status))));
+    }
+    Ok((
+        if all_acquired {
+            "acquired"
+        } else {
+            "not_acquired"
+        },
+        acquire_latency,
+    ))
+}
+
 /// One `grpc.health.v1.Health/Check` of the whole server.
 async fn health_check(plan: &Plan, index: u64) -> OpResult {
     let mut stub = plan.health[(index % plan.health.len() as u64) as usize].clone();
@@ -501,10 +595,16 @@ async fn worker(plan: Arc<Plan>, index: u64, mut stats: Recorder) {
                 // Random within the worker's range, like pgbench's keys and
                 // like real UUID keys: inserts land all over the index.
                 let id = plan.new_key(&mut rng, index);
-                if plan.raw.is_empty() {
-                    acquire_and_complete(&plan, plan.client(index), id).await
-                } else {
-                    raw_pair(&plan, index, id).await
+                match plan.raw_batch {
+                    _ if plan.raw.is_empty() => {
+                        acquire_and_complete(&plan, plan.client(index), id).await
+                    }
+                    None => raw_pair(&plan, index, id).await,
+                    Some(pairs) => {
+                        let mut ids = vec![id];
+                        ids.extend((1..pairs).map(|_| plan.new_key(&mut rng, index)));
+                        raw_batch(&plan, index, ids).await
+                    }
                 }
             }
             Scenario::Replay => {
@@ -771,6 +871,7 @@ async fn run(cli: Cli) -> anyhow::Result<Stats> {
         clients,
         health,
         raw,
+        raw_batch: cli.raw_batch,
         timeout: cli.timeout,
         namespace: cli.namespace.clone(),
         run,
@@ -881,6 +982,7 @@ async fn run(cli: Cli) -> anyhow::Result<Stats> {
             "errors_total": total.errors_total(),
             "seconds": (seconds * 1000.0).round() / 1000.0,
             "ops_per_sec": (ops_per_sec * 10.0).round() / 10.0,
+            "pairs_per_op": cli.raw_batch.unwrap_or(1),
             "latency_us": percentiles(&total.latency),
             "acquire_latency_us": percentiles(&total.acquire_latency),
             "outcomes": total.outcomes,
@@ -1070,10 +1172,12 @@ mod tests {
             let count = ["--concurrency", "3", "--count", "20"];
             Cli::parse_from(base.iter().chain(&count).chain(more))
         };
-        for cli in [new_keys(&["--raw-stub"]), new_keys(&[])] {
+        let batches = ["--raw-stub", "--raw-batch", "4"];
+        for cli in [new_keys(&["--raw-stub"]), new_keys(&[]), new_keys(&batches)] {
             let stats = run(cli).await.unwrap();
             assert!(stats.errors.is_empty(), "{:?}", stats.error_samples);
             assert_eq!(stats.ops, 20);
+            assert_eq!(stats.outcomes.get("acquired"), Some(&20));
         }
         let completed: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM idempotency_records WHERE state = 'completed'",
@@ -1081,7 +1185,7 @@ mod tests {
         .fetch_one(&mut connection)
         .await
         .unwrap();
-        assert_eq!(completed, 40);
+        assert_eq!(completed, 20 + 20 + 20 * 4);
 
         // Batches through the generated stub: one statement per RPC.
         let mut stub = IdempotencyServiceClient::connect(endpoint.clone())
