@@ -262,7 +262,10 @@ struct Cli {
     /// BatchAcquire of N items and one BatchComplete of those it acquired,
     /// from the caller's own task: the least a caller that batches by hand
     /// does, against the client library's batching of N callers. Ops count
-    /// batches; pairs are ops × N (the JSON's `pairs_per_op`).
+    /// batches; pairs are ops × N (the JSON's `pairs_per_op`) when every op
+    /// acquired all N (its outcome "acquired"). An item answered with an
+    /// error fails the op. The server answers batches of at most its
+    /// --max-batch-items (100 by default).
     #[arg(long, requires = "raw_stub", value_parser = clap::value_parser!(u32).range(1..=1000))]
     raw_batch: Option<u32>,
 }
@@ -499,28 +502,49 @@ async fn raw_batch(plan: &Plan, index: u64, ids: Vec<RecordId>) -> OpResult {
     let mut request = tonic::Request::new(pb::BatchAcquireRequest { requests });
     request.set_timeout(plan.timeout);
     let started = Instant::now();
-    let acquired = stub
+    let results = stub
         .batch_acquire(request)
         .await
         .map_err(|status| unexpected("acquire", status))?
         .into_inner()
         .results;
     let acquire_latency = started.elapsed();
-    let completes: Vec<pb::CompleteRequest> = ids
-        .into_iter()
-        .zip(acquired)
-        .filter_map(|(id, result)| match result.result {
+    if results.len() != ids.len() {
+        let message = format!("{} results for {} Acquires", results.len(), ids.len());
+        return Err(unexpected("acquire", tonic::Status::internal(message)));
+    }
+    let batch = ids.len();
+    let mut completes = Vec::with_capacity(batch);
+    for (id, result) in ids.into_iter().zip(results) {
+        match result.result {
             Some(pb::batch_acquire_result::Result::Response(pb::AcquireResponse {
                 outcome: Some(pb::acquire_response::Outcome::Acquired(acquired)),
-            })) => Some(pb::CompleteRequest {
+            })) => completes.push(pb::CompleteRequest {
                 id: Some(id),
                 fencing_token: acquired.fencing_token,
                 response: Some(plan.response.clone().into()),
             }),
-            _ => None,
-        })
-        .collect();
-    let all_acquired = completes.len() == plan.raw_batch.unwrap_or(1) as usize;
+            // Another outcome (a replay, in progress): not acquired, as in `raw_pair`.
+            Some(pb::batch_acquire_result::Result::Response(_)) => {}
+            Some(pb::batch_acquire_result::Result::Error(status)) => {
+                let status = tonic::Status::new(status.code.into(), status.message);
+                return Err(unexpected("acquire", status));
+            }
+            None => {
+                let status = tonic::Status::internal("an Acquire of the batch went unanswered");
+                return Err(unexpected("acquire", status));
+            }
+        }
+    }
+    let outcome = if completes.len() == batch {
+        "acquired"
+    } else {
+        "not_acquired"
+    };
+    // The server refuses an empty batch: nothing acquired, nothing to complete.
+    if completes.is_empty() {
+        return Ok((outcome, acquire_latency));
+    }
     let sent = completes.len();
     let mut request = tonic::Request::new(pb::BatchCompleteRequest {
         requests: completes,
@@ -544,14 +568,7 @@ async fn raw_batch(plan: &Plan, index: u64, ids: Vec<RecordId>) -> OpResult {
         let status = tonic::Status::internal(format!("{completed} of {sent} Completes succeeded"));
         return Err(("complete", Error::Unexpected(Box::new(status))));
     }
-    Ok((
-        if all_acquired {
-            "acquired"
-        } else {
-            "not_acquired"
-        },
-        acquire_latency,
-    ))
+    Ok((outcome, acquire_latency))
 }
 
 /// One `grpc.health.v1.Health/Check` of the whole server.
