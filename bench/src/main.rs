@@ -1019,6 +1019,12 @@ async fn run(cli: Cli) -> anyhow::Result<Stats> {
             seconds,
             ops_per_sec
         );
+        if let Some(pairs) = cli.raw_batch {
+            println!(
+                "{pairs} new-key pairs per op (--raw-batch): {:.1} pairs/s",
+                ops_per_sec * f64::from(pairs)
+            );
+        }
         println!("latency (operation): {}", percentiles_line(&total.latency));
         println!(
             "latency (Acquire):   {}",
