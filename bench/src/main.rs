@@ -317,6 +317,33 @@ impl Plan {
         &self.clients[(index % self.clients.len() as u64) as usize]
     }
 
+    /// `--raw-stub`: the stub for the caller at `index`.
+    fn raw_stub(&self, index: u64) -> IdempotencyServiceClient<Channel> {
+        self.raw[(index % self.raw.len() as u64) as usize].clone()
+    }
+
+    /// `--raw-stub`: a new key's Acquire, with `--ttl` as the client
+    /// library's pairs send it.
+    fn raw_acquire(&self, id: pb::RecordId) -> pb::AcquireRequest {
+        pb::AcquireRequest {
+            id: Some(id),
+            fingerprint: self.fingerprint.clone(),
+            ttl: self
+                .ttl
+                .and_then(|ttl| prost_types::Duration::try_from(ttl).ok()),
+            lease: None,
+        }
+    }
+
+    /// `--raw-stub`: the Complete of an acquired key, with the run's response.
+    fn raw_complete(&self, id: pb::RecordId, fencing_token: u64) -> pb::CompleteRequest {
+        pb::CompleteRequest {
+            id: Some(id),
+            fencing_token,
+            response: Some(self.response.clone().into()),
+        }
+    }
+
     fn id(&self, key: String) -> RecordId {
         RecordId::new(self.namespace.clone(), OPERATION, key).with_subject(SUBJECT)
     }
@@ -428,27 +455,24 @@ async fn acquire_and_complete(plan: &Plan, client: &Client, id: RecordId) -> OpR
     Ok((outcome, acquire_latency))
 }
 
-/// `--raw-stub`: a new-key pair through the generated stub, as a caller
-/// without the client library makes it: Acquire, then Complete with the
-/// token it got.
-async fn raw_pair(plan: &Plan, index: u64, id: RecordId) -> OpResult {
-    let mut stub = plan.raw[(index % plan.raw.len() as u64) as usize].clone();
-    let unexpected = |rpc, status: tonic::Status| (rpc, Error::Unexpected(Box::new(status)));
-    let pb_id = pb::RecordId {
+/// A record id as the generated stub takes it.
+fn raw_id(id: RecordId) -> pb::RecordId {
+    pb::RecordId {
         namespace: id.namespace,
         operation: id.operation,
         subject: id.subject,
         key: id.key,
-    };
-    let mut request = tonic::Request::new(pb::AcquireRequest {
-        id: Some(pb_id.clone()),
-        fingerprint: plan.fingerprint.clone(),
-        // `--ttl`, as the client library's pairs send it.
-        ttl: plan
-            .ttl
-            .and_then(|ttl| prost_types::Duration::try_from(ttl).ok()),
-        lease: None,
-    });
+    }
+}
+
+/// `--raw-stub`: a new-key pair through the generated stub, as a caller
+/// without the client library makes it: Acquire, then Complete with the
+/// token it got.
+async fn raw_pair(plan: &Plan, index: u64, id: RecordId) -> OpResult {
+    let mut stub = plan.raw_stub(index);
+    let unexpected = |rpc, status: tonic::Status| (rpc, Error::Unexpected(Box::new(status)));
+    let pb_id = raw_id(id);
+    let mut request = tonic::Request::new(plan.raw_acquire(pb_id.clone()));
     request.set_timeout(plan.timeout);
     let started = Instant::now();
     let acquired = stub
@@ -460,11 +484,7 @@ async fn raw_pair(plan: &Plan, index: u64, id: RecordId) -> OpResult {
     else {
         return Ok(("not_acquired", acquire_latency));
     };
-    let mut request = tonic::Request::new(pb::CompleteRequest {
-        id: Some(pb_id),
-        fencing_token: acquired.fencing_token,
-        response: Some(plan.response.clone().into()),
-    });
+    let mut request = tonic::Request::new(plan.raw_complete(pb_id, acquired.fencing_token));
     request.set_timeout(plan.timeout);
     stub.complete(request)
         .await
@@ -477,28 +497,10 @@ async fn raw_pair(plan: &Plan, index: u64, id: RecordId) -> OpResult {
 /// acquired with their tokens. "acquired" when it acquired them all; an
 /// error when a Complete of the batch failed.
 async fn raw_batch(plan: &Plan, index: u64, ids: Vec<RecordId>) -> OpResult {
-    let mut stub = plan.raw[(index % plan.raw.len() as u64) as usize].clone();
+    let mut stub = plan.raw_stub(index);
     let unexpected = |rpc, status: tonic::Status| (rpc, Error::Unexpected(Box::new(status)));
-    let ids: Vec<pb::RecordId> = ids
-        .into_iter()
-        .map(|id| pb::RecordId {
-            namespace: id.namespace,
-            operation: id.operation,
-            subject: id.subject,
-            key: id.key,
-        })
-        .collect();
-    let requests = ids
-        .iter()
-        .map(|id| pb::AcquireRequest {
-            id: Some(id.clone()),
-            fingerprint: plan.fingerprint.clone(),
-            ttl: plan
-                .ttl
-                .and_then(|ttl| prost_types::Duration::try_from(ttl).ok()),
-            lease: None,
-        })
-        .collect();
+    let ids: Vec<pb::RecordId> = ids.into_iter().map(raw_id).collect();
+    let requests = ids.iter().map(|id| plan.raw_acquire(id.clone())).collect();
     let mut request = tonic::Request::new(pb::BatchAcquireRequest { requests });
     request.set_timeout(plan.timeout);
     let started = Instant::now();
@@ -519,11 +521,7 @@ async fn raw_batch(plan: &Plan, index: u64, ids: Vec<RecordId>) -> OpResult {
         match result.result {
             Some(pb::batch_acquire_result::Result::Response(pb::AcquireResponse {
                 outcome: Some(pb::acquire_response::Outcome::Acquired(acquired)),
-            })) => completes.push(pb::CompleteRequest {
-                id: Some(id),
-                fencing_token: acquired.fencing_token,
-                response: Some(plan.response.clone().into()),
-            }),
+            })) => completes.push(plan.raw_complete(id, acquired.fencing_token)),
             // Another outcome (a replay, in progress): not acquired, as in `raw_pair`.
             Some(pb::batch_acquire_result::Result::Response(_)) => {}
             Some(pb::batch_acquire_result::Result::Error(status)) => {
