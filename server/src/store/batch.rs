@@ -4,7 +4,9 @@
 //!
 //! There is no waiting window: a lone call runs at once. When nothing is
 //! queued or running, it runs in its caller's own task, with no hand-off to
-//! a worker and back ([`Batcher::run`]). Under load, calls
+//! a worker and back ([`Batcher::run`]); so does a caller's unit of calls
+//! for distinct records that one statement can hold ([`Batcher::run_all`]).
+//! Under load, calls
 //! queue while a statement runs, and the next statement takes them all. One
 //! statement per kind runs at a time, so that batches grow with the load
 //! (a statement's fixed cost, not its rows, is what a batch saves); a second
@@ -163,6 +165,16 @@ enum Reply<O> {
     Alone,
 }
 
+impl<O> Reply<O> {
+    /// The result of a reply known to be `Done`.
+    fn into_done(self) -> StoreResult<O> {
+        match self {
+            Reply::Done(result) => result,
+            Reply::Alone => unreachable!("checked to be done"),
+        }
+    }
+}
+
 /// Queues calls for a few workers that run them in batches.
 pub struct Batcher<S: Statement> {
     name: &'static str,
@@ -172,6 +184,8 @@ pub struct Batcher<S: Statement> {
     running: Arc<Running>,
     kept: Arc<Kept<S::Session>>,
     batch_size: metrics::Histogram,
+    /// Most calls in one statement ([`BatchSettings::max_size`]).
+    max_size: usize,
 }
 
 impl<S: Statement> Batcher<S> {
@@ -209,6 +223,7 @@ impl<S: Statement> Batcher<S> {
             running,
             kept,
             batch_size,
+            max_size: settings.max_size.max(1),
         }
     }
 
@@ -225,76 +240,99 @@ impl<S: Statement> Batcher<S> {
     /// and like a worker's, its statement runs to its end even when the
     /// caller leaves ([`RunToEnd`]).
     pub async fn run(&self, input: Arc<S::Input>) -> StoreResult<S::Output> {
-        if let Some(idle) = self.idle_turn(&input) {
-            return self.run_in_caller(input, idle).await;
+        if let Some(idle) = self.idle_turn(std::slice::from_ref(&input)) {
+            let mut results = self.run_in_caller(vec![input], idle).await;
+            return results.pop().expect("an answer per call");
         }
         let (job, answer) = self.queue.job(input.clone());
         self.queue.push(vec![job]);
         self.answer(input, answer).await
     }
 
-    /// A turn and `input`'s record, when nothing is queued, no statement
-    /// runs (so no record is held) and the batcher is open. Claimed under
-    /// the queue's lock, so a worker that finds calls after it waits for
-    /// the turn, and a call for the same record waits for the statement.
-    fn idle_turn(&self, input: &S::Input) -> Option<IdleTurn<S::Input, S::Output>> {
-        let record = self.queue.hasher.hash_one(input.record());
+    /// A turn and the records of `inputs`, when they are for distinct
+    /// records, one statement can hold them, nothing is queued, no
+    /// statement runs (so no record is held) and the batcher is open.
+    /// Claimed under the queue's lock, so a worker that finds calls after
+    /// it waits for the turn, and a call for one of its records waits for
+    /// the statement.
+    fn idle_turn(&self, inputs: &[Arc<S::Input>]) -> Option<IdleTurn<S::Input, S::Output>> {
+        if inputs.is_empty() || inputs.len() > self.max_size {
+            return None;
+        }
+        let records: Vec<u64> = inputs
+            .iter()
+            .map(|input| self.queue.hasher.hash_one(input.record()))
+            .collect();
+        if records.len() > 1 {
+            // A record twice (or two whose hashes collide): the queue's
+            // rules put its second call in a later statement.
+            let mut distinct = Records::with_capacity_and_hasher(records.len(), Default::default());
+            if !records.iter().all(|&record| distinct.insert(record)) {
+                return None;
+            }
+        }
         let mut queued = lock(&self.queue.state);
         if queued.closed || !queued.units.is_empty() {
             return None;
         }
         // At most one statement: only when none runs.
         let turn = self.running.try_claim(Duration::ZERO, 1).ok()?;
-        queued.held.insert(record);
+        queued.held.extend(&records);
         drop(queued);
         Some(IdleTurn {
-            _held: HeldRecord {
+            _held: HeldRecords {
                 queue: self.queue.clone(),
-                record,
+                records,
             },
             _turn: turn,
         })
     }
 
-    /// [`Batcher::run`] for a call that got an idle turn: its statement on
-    /// a kept session, then, when that failed for its rows' sake, alone.
+    /// Runs `inputs`, which got an idle turn, as one statement on a kept
+    /// session in the caller's task, as a worker would run them (see
+    /// [`statement_replies`]); a call whose statement failed for its rows'
+    /// sake then runs alone. Answers in input order.
     async fn run_in_caller(
         &self,
-        input: Arc<S::Input>,
+        inputs: Vec<Arc<S::Input>>,
         idle: IdleTurn<S::Input, S::Output>,
-    ) -> StoreResult<S::Output> {
-        self.batch_size.record(1.0);
-        let (statement, kept, inputs) =
-            (self.statement.clone(), self.kept.clone(), [input.clone()]);
+    ) -> Vec<StoreResult<S::Output>> {
+        self.batch_size.record(inputs.len() as f64);
+        let (statement, kept, shared) = (self.statement.clone(), self.kept.clone(), inputs.clone());
         // Boxed (in `RunToEnd`): the statement's future is large, and every
         // call's future would carry its size, also the calls that queue
         // (1,000 calls in flight took 37 instead of 21 MiB unboxed).
-        let statement = RunToEnd::new(async move {
-            let result = run_on_kept(&*statement, &kept, &inputs).await;
-            // Its record's later calls, and the next statement, may run.
+        let replies = RunToEnd::new(async move {
+            let replies = statement_replies(&*statement, &kept, &shared, |_| true).await;
+            // Its records' later calls, and the next statement, may run.
             drop(idle);
-            result
-        });
-        let result = statement.await.and_then(|mut outputs| {
-            let answered = outputs.len();
-            match (outputs.pop(), answered) {
-                (Some(output), 1) => Ok(output),
-                _ => Err(StoreError::Corrupt(format!(
-                    "a statement of one call answered {answered} results"
-                ))),
-            }
-        });
-        match result {
-            Err(error) if error.concerns_rows() => self.run_alone(input).await,
-            result => result,
+            replies
+        })
+        .await;
+        if replies.iter().all(|reply| matches!(reply, Reply::Done(_))) {
+            return replies.into_iter().map(Reply::into_done).collect();
         }
+        let answers = inputs
+            .into_iter()
+            .zip(replies)
+            .map(|(input, reply)| async move {
+                match reply {
+                    Reply::Done(result) => result,
+                    Reply::Alone => self.run_alone(input).await,
+                }
+            });
+        join_in_order(answers).await
     }
 
     /// Runs `inputs` as one unit: in one statement when they are for
     /// distinct records, no more than [`BatchSettings::max_size`], and for
     /// none a running statement holds (else in as few as those rules allow,
-    /// in order). Answers in input order.
+    /// in order). Answers in input order. At rest, such a unit runs in the
+    /// caller's task, as a lone call does ([`Batcher::run`]).
     pub async fn run_all(&self, inputs: Vec<Arc<S::Input>>) -> Vec<StoreResult<S::Output>> {
+        if let Some(idle) = self.idle_turn(&inputs) {
+            return self.run_in_caller(inputs, idle).await;
+        }
         let (jobs, answers): (Vec<_>, Vec<_>) = inputs
             .iter()
             .map(|input| self.queue.job(input.clone()))
@@ -515,23 +553,24 @@ impl<I, O> Drop for Taken<'_, I, O> {
     }
 }
 
-/// A lone call's claim at rest ([`Batcher::run`]): its record is held
-/// (released first, as a worker's [`Taken`] is) and its statement counts as
-/// running, until dropped.
+/// A claim at rest of a lone call or unit ([`Batcher::run`],
+/// [`Batcher::run_all`]): its records are held (released first, as a
+/// worker's [`Taken`] are) and its statement counts as running, until
+/// dropped.
 struct IdleTurn<I, O> {
-    _held: HeldRecord<I, O>,
+    _held: HeldRecords<I, O>,
     _turn: Turn,
 }
 
-/// A record held by a lone call's statement, until dropped.
-struct HeldRecord<I, O> {
+/// The records held by a statement run in its caller's task, until dropped.
+struct HeldRecords<I, O> {
     queue: Arc<Queue<I, O>>,
-    record: u64,
+    records: Vec<u64>,
 }
 
-impl<I, O> Drop for HeldRecord<I, O> {
+impl<I, O> Drop for HeldRecords<I, O> {
     fn drop(&mut self) {
-        self.queue.release(&[self.record]);
+        self.queue.release(&self.records);
     }
 }
 
@@ -871,62 +910,80 @@ impl<S: Statement> Worker<S> {
     async fn run_batch(&mut self, jobs: Vec<JobOf<S>>) {
         let (inputs, replies): (Vec<_>, Vec<_>) =
             jobs.into_iter().map(|job| (job.input, job.reply)).unzip();
-        match self.run_statement(&inputs).await {
-            Ok(outputs) if outputs.len() == inputs.len() => {
-                for (reply, output) in replies.into_iter().zip(outputs) {
-                    let _ = reply.send(Reply::Done(Ok(output)));
-                }
-            }
-            Ok(outputs) => {
-                let error = StoreError::Corrupt(format!(
-                    "a batch of {} answered {} results",
-                    inputs.len(),
-                    outputs.len()
-                ));
-                answer_all(replies, || Reply::Done(Err(error.clone())));
-            }
-            // Not the database's health: one call's row may be to blame. Run
-            // each alone so the error stays with the rows it concerns.
-            Err(StoreError::Internal(_)) if inputs.len() > 1 => {
-                self.run_each(&inputs, replies).await;
-            }
-            // A row some call waits for, held by another session: each caller
-            // runs its call alone, so only the calls of that row wait, on
-            // connections of their own, and this worker takes the next batch.
-            Err(error) if error.concerns_rows() => answer_all(replies, || Reply::Alone),
-            Err(error) => answer_all(replies, || Reply::Done(Err(error.clone()))),
+        let answers = statement_replies(&*self.statement, &self.kept, &inputs, |call| {
+            !replies[call].is_closed()
+        })
+        .await;
+        for (reply, answer) in replies.into_iter().zip(answers) {
+            let _ = reply.send(answer);
         }
     }
+}
 
-    /// Runs each call as a statement of its own, on kept sessions, after a
-    /// statement for all of them failed.
-    async fn run_each(
-        &mut self,
-        inputs: &[Arc<S::Input>],
-        replies: Vec<oneshot::Sender<Reply<S::Output>>>,
-    ) {
-        for (input, reply) in inputs.iter().zip(replies) {
-            if reply.is_closed() {
-                continue;
-            }
-            let result = self
-                .run_statement(std::slice::from_ref(input))
-                .await
-                .and_then(|mut outputs| {
-                    outputs
-                        .pop()
-                        .ok_or_else(|| StoreError::Corrupt("no result".into()))
-                });
-            let _ = reply.send(match result {
-                Err(error) if error.concerns_rows() => Reply::Alone,
-                result => Reply::Done(result),
+/// Runs `inputs` as one statement on a kept session and tells each call
+/// what came of it, in input order. After a failure that may be one call's
+/// fault, each call still `wanted` runs again as a statement of its own.
+async fn statement_replies<S: Statement>(
+    statement: &S,
+    kept: &Kept<S::Session>,
+    inputs: &[Arc<S::Input>],
+    wanted: impl Fn(usize) -> bool,
+) -> Vec<Reply<S::Output>> {
+    let all = |reply: &dyn Fn() -> Reply<S::Output>| inputs.iter().map(|_| reply()).collect();
+    match run_on_kept(statement, kept, inputs).await {
+        Ok(outputs) if outputs.len() == inputs.len() => outputs
+            .into_iter()
+            .map(|output| Reply::Done(Ok(output)))
+            .collect(),
+        Ok(outputs) => {
+            let error = StoreError::Corrupt(format!(
+                "a batch of {} answered {} results",
+                inputs.len(),
+                outputs.len()
+            ));
+            all(&|| Reply::Done(Err(error.clone())))
+        }
+        // Not the database's health: one call's row may be to blame. Run
+        // each alone so the error stays with the rows it concerns.
+        Err(StoreError::Internal(_)) if inputs.len() > 1 => {
+            run_each(statement, kept, inputs, wanted).await
+        }
+        // A row some call waits for, held by another session: each caller
+        // runs its call alone, so only the calls of that row wait, on
+        // connections of their own, and the worker takes the next batch.
+        Err(error) if error.concerns_rows() => all(&|| Reply::Alone),
+        Err(error) => all(&|| Reply::Done(Err(error.clone()))),
+    }
+}
+
+/// Runs each call still `wanted` as a statement of its own, on kept
+/// sessions, after a statement for all of them failed. One no longer
+/// wanted is told the batcher stopped (nobody hears it).
+async fn run_each<S: Statement>(
+    statement: &S,
+    kept: &Kept<S::Session>,
+    inputs: &[Arc<S::Input>],
+    wanted: impl Fn(usize) -> bool,
+) -> Vec<Reply<S::Output>> {
+    let mut replies = Vec::with_capacity(inputs.len());
+    for (call, input) in inputs.iter().enumerate() {
+        if !wanted(call) {
+            replies.push(Reply::Done(Err(stopped())));
+            continue;
+        }
+        let result = run_on_kept(statement, kept, std::slice::from_ref(input))
+            .await
+            .and_then(|mut outputs| {
+                outputs
+                    .pop()
+                    .ok_or_else(|| StoreError::Corrupt("no result".into()))
             });
-        }
+        replies.push(match result {
+            Err(error) if error.concerns_rows() => Reply::Alone,
+            result => Reply::Done(result),
+        });
     }
-
-    async fn run_statement(&mut self, inputs: &[Arc<S::Input>]) -> StoreResult<Vec<S::Output>> {
-        run_on_kept(&*self.statement, &self.kept, inputs).await
-    }
+    replies
 }
 
 /// Runs one statement on the session used last, or on one it opens, and
@@ -949,10 +1006,4 @@ async fn run_on_kept<S: Statement>(
         kept.put(session, opened);
     }
     result
-}
-
-fn answer_all<O>(replies: Vec<oneshot::Sender<Reply<O>>>, reply: impl Fn() -> Reply<O>) {
-    for sender in replies {
-        let _ = sender.send(reply());
-    }
 }

@@ -328,6 +328,97 @@ async fn a_call_at_rest_whose_caller_left_runs_to_its_end_holding_its_record_and
     assert_eq!(fake.ended(), 0);
 }
 
+/// Runs `keys` as one unit in a task of its own, which a test may abort.
+fn run_all_in_task(
+    batcher: &Tested,
+    keys: &'static [&'static str],
+) -> tokio::task::JoinHandle<Vec<StoreResult<Ran>>> {
+    let batcher = batcher.clone();
+    tokio::spawn(async move {
+        batcher
+            .run_all(keys.iter().map(|key| call(key)).collect())
+            .await
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_unit_at_rest_runs_in_its_callers_task_as_one_statement_and_the_calls_behind_it_in_a_worker()
+ {
+    let fake = Fake::new(Script::Answer, TAKES);
+    let batcher = spawn(&fake, settings(2));
+
+    let unit = run_all_in_task(&batcher, &["key-0001", "key-0002", "key-0003"]);
+    tokio::time::sleep(MS).await;
+    let behind = [
+        run_in_task(&batcher, "key-0004"),
+        run_in_task(&batcher, "key-0002"),
+    ];
+    let unit_task = unit.id();
+    assert_eq!(statement_numbers(unit.await.unwrap()), [1, 1, 1]);
+    for task in behind {
+        assert_eq!(task.await.unwrap().unwrap().statement, 2);
+    }
+
+    let tasks = fake.tasks();
+    assert_eq!(tasks[0], Some(unit_task), "no hand-off at rest");
+    assert_ne!(tasks[1], Some(unit_task), "a queued batch runs in a worker");
+    // The unit's records were held: its key's next call waited for it.
+    assert_eq!(
+        fake.statements(),
+        [
+            vec!["key-0001", "key-0002", "key-0003"],
+            vec!["key-0004", "key-0002"]
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_unit_at_rest_that_one_statement_cannot_hold_goes_to_the_workers() {
+    let fake = Fake::new(Script::Answer, TAKES);
+    let batcher = spawn(
+        &fake,
+        BatchSettings {
+            max_size: 2,
+            ..settings(1)
+        },
+    );
+    let repeated = batcher
+        .run_all(["key-0001", "key-0002", "key-0001"].map(call).to_vec())
+        .await;
+    let too_many = batcher
+        .run_all(["key-0003", "key-0004", "key-0005"].map(call).to_vec())
+        .await;
+
+    assert_eq!(statement_numbers(repeated), [1, 1, 2]);
+    assert_eq!(statement_numbers(too_many), [3, 3, 4]);
+    // The test's own future is no task: a statement run in it has no id.
+    assert!(
+        fake.tasks().iter().all(Option::is_some),
+        "each ran in a worker"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_unit_at_rest_whose_caller_left_runs_to_its_end_holding_its_records_and_session() {
+    let (batcher, fake) = one_worker(Script::Answer);
+    let start = Instant::now();
+    let left = run_all_in_task(&batcher, &["key-0001", "key-0002"]);
+    tokio::time::sleep(MS).await;
+    left.abort();
+    let _ = left.await;
+
+    let ran = batcher.run(call("key-0002")).await.unwrap();
+    assert_eq!(start.elapsed(), 2 * TAKES);
+    assert_eq!(
+        ran,
+        Ran {
+            statement: 2,
+            session: 1
+        }
+    );
+    assert_eq!(fake.ended(), 0);
+}
+
 #[tokio::test(start_paused = true)]
 async fn no_more_statements_run_at_once_than_there_are_workers_with_a_call_at_rest_among_them() {
     let fake = Fake::new(Script::Answer, TAKES);
