@@ -6,8 +6,7 @@
 //! queued or running, it runs in its caller's own task, with no hand-off to
 //! a worker and back ([`Batcher::run`]); so does a caller's unit of calls
 //! for distinct records that one statement can hold ([`Batcher::run_all`]).
-//! Under load, calls
-//! queue while a statement runs, and the next statement takes them all. One
+//! Under load, calls queue while a statement runs, and the next statement takes them all. One
 //! statement per kind runs at a time, so that batches grow with the load
 //! (a statement's fixed cost, not its rows, is what a batch saves); a second
 //! worker starts another only when the running one is slow (a slow disk, a
@@ -45,7 +44,7 @@
 //! gone (its reply receiver dropped, e.g. past its deadline) is not run.
 //!
 //! The parts: callers push onto a [`Queue`], or at rest run their statement
-//! themselves ([`Batcher::run`]); each [`Worker`] waits for calls, then for
+//! themselves ([`Batcher::run`], [`Batcher::run_all`]); each [`Worker`] waits for calls, then for
 //! its turn to run a statement ([`Running`]), takes a batch from what is
 //! queued then, runs it, and answers each caller. No lock is held across an
 //! await.
@@ -158,7 +157,8 @@ impl<I, O> Job<I, O> {
     }
 }
 
-/// What a worker tells a caller.
+/// What came of a call's statement for the call: told by a worker over
+/// the call's channel, or handed back to a caller that ran it at rest.
 enum Reply<O> {
     Done(StoreResult<O>),
     /// Run the call alone: its statement failed for its rows' sake.
@@ -180,7 +180,8 @@ pub struct Batcher<S: Statement> {
     name: &'static str,
     queue: Arc<QueueOf<S>>,
     statement: Arc<S>,
-    /// Shared with the workers, for a lone call that runs in its caller's task.
+    /// Shared with the workers, for a statement at rest that runs in its
+    /// caller's task.
     running: Arc<Running>,
     kept: Arc<Kept<S::Session>>,
     batch_size: metrics::Histogram,
@@ -240,46 +241,48 @@ impl<S: Statement> Batcher<S> {
     /// and like a worker's, its statement runs to its end even when the
     /// caller leaves ([`RunToEnd`]).
     pub async fn run(&self, input: Arc<S::Input>) -> StoreResult<S::Output> {
-        if let Some(idle) = self.idle_turn(std::slice::from_ref(&input)) {
-            let mut results = self.run_in_caller(vec![input], idle).await;
-            return results.pop().expect("an answer per call");
+        let record = self.queue.record_of(&input);
+        match self.idle_turn(vec![record]) {
+            Ok(idle) => {
+                let mut results = self.run_in_caller(vec![input], idle).await;
+                results.pop().expect("an answer per call")
+            }
+            Err(_) => {
+                let (job, answer) = self.queue.job(input.clone(), record);
+                self.queue.push(vec![job]);
+                self.answer(input, answer).await
+            }
         }
-        let (job, answer) = self.queue.job(input.clone());
-        self.queue.push(vec![job]);
-        self.answer(input, answer).await
     }
 
-    /// A turn and the records of `inputs`, when they are for distinct
-    /// records, one statement can hold them, nothing is queued, no
-    /// statement runs (so no record is held) and the batcher is open.
-    /// Claimed under the queue's lock, so a worker that finds calls after
-    /// it waits for the turn, and a call for one of its records waits for
-    /// the statement.
-    fn idle_turn(&self, inputs: &[Arc<S::Input>]) -> Option<IdleTurn<S::Input, S::Output>> {
-        if inputs.is_empty() || inputs.len() > self.max_size {
-            return None;
+    /// A turn, and `records` held, when they are distinct, one statement
+    /// can hold them, nothing is queued, no statement runs (so no record is
+    /// held) and the batcher is open; else `records` back. Claimed under the
+    /// queue's lock, so a worker that finds calls after it waits for the
+    /// turn, and a call for one of its records waits for the statement.
+    fn idle_turn(&self, records: Vec<u64>) -> Result<IdleTurn<S::Input, S::Output>, Vec<u64>> {
+        if records.is_empty() || records.len() > self.max_size {
+            return Err(records);
         }
-        let records: Vec<u64> = inputs
-            .iter()
-            .map(|input| self.queue.hasher.hash_one(input.record()))
-            .collect();
         if records.len() > 1 {
             // A record twice (or two whose hashes collide): the queue's
             // rules put its second call in a later statement.
             let mut distinct = Records::with_capacity_and_hasher(records.len(), Default::default());
             if !records.iter().all(|&record| distinct.insert(record)) {
-                return None;
+                return Err(records);
             }
         }
         let mut queued = lock(&self.queue.state);
         if queued.closed || !queued.units.is_empty() {
-            return None;
+            return Err(records);
         }
         // At most one statement: only when none runs.
-        let turn = self.running.try_claim(Duration::ZERO, 1).ok()?;
+        let Ok(turn) = self.running.try_claim(Duration::ZERO, 1) else {
+            return Err(records);
+        };
         queued.held.extend(&records);
         drop(queued);
-        Some(IdleTurn {
+        Ok(IdleTurn {
             _held: HeldRecords {
                 queue: self.queue.clone(),
                 records,
@@ -298,17 +301,30 @@ impl<S: Statement> Batcher<S> {
         idle: IdleTurn<S::Input, S::Output>,
     ) -> Vec<StoreResult<S::Output>> {
         self.batch_size.record(inputs.len() as f64);
-        let (statement, kept, shared) = (self.statement.clone(), self.kept.clone(), inputs.clone());
+        let (statement, kept) = (self.statement.clone(), self.kept.clone());
+        // Whether the caller still waits: a unit's calls that a failed
+        // statement re-runs one by one are not run once it left, as a
+        // worker skips the calls of callers gone. (One call is never re-run.)
+        let (watch, presence) = match inputs.len() {
+            1 => (None, None),
+            _ => {
+                let (watch, presence) = oneshot::channel::<()>();
+                (Some(watch), Some(presence))
+            }
+        };
         // Boxed (in `RunToEnd`): the statement's future is large, and every
         // call's future would carry its size, also the calls that queue
         // (1,000 calls in flight took 37 instead of 21 MiB unboxed).
-        let replies = RunToEnd::new(async move {
-            let replies = statement_replies(&*statement, &kept, &shared, |_| true).await;
+        let (inputs, replies) = RunToEnd::new(async move {
+            // `presence` is dropped with the caller's future.
+            let wanted = |_| watch.as_ref().is_none_or(|watch| !watch.is_closed());
+            let replies = statement_replies(&*statement, &kept, &inputs, wanted).await;
             // Its records' later calls, and the next statement, may run.
             drop(idle);
-            replies
+            (inputs, replies)
         })
         .await;
+        drop(presence);
         if replies.iter().all(|reply| matches!(reply, Reply::Done(_))) {
             return replies.into_iter().map(Reply::into_done).collect();
         }
@@ -321,7 +337,8 @@ impl<S: Statement> Batcher<S> {
                     Reply::Alone => self.run_alone(input).await,
                 }
             });
-        join_in_order(answers).await
+        // Boxed: rare, and a call's future stays small without it.
+        Box::pin(join_in_order(answers)).await
     }
 
     /// Runs `inputs` as one unit: in one statement when they are for
@@ -330,12 +347,18 @@ impl<S: Statement> Batcher<S> {
     /// in order). Answers in input order. At rest, such a unit runs in the
     /// caller's task, as a lone call does ([`Batcher::run`]).
     pub async fn run_all(&self, inputs: Vec<Arc<S::Input>>) -> Vec<StoreResult<S::Output>> {
-        if let Some(idle) = self.idle_turn(&inputs) {
-            return self.run_in_caller(inputs, idle).await;
-        }
+        let records = inputs
+            .iter()
+            .map(|input| self.queue.record_of(input))
+            .collect();
+        let records = match self.idle_turn(records) {
+            Ok(idle) => return self.run_in_caller(inputs, idle).await,
+            Err(records) => records,
+        };
         let (jobs, answers): (Vec<_>, Vec<_>) = inputs
             .iter()
-            .map(|input| self.queue.job(input.clone()))
+            .zip(records)
+            .map(|(input, record)| self.queue.job(input.clone(), record))
             .unzip();
         if !jobs.is_empty() {
             self.queue.push(jobs);
@@ -425,10 +448,15 @@ impl<I, O> Default for Queue<I, O> {
 }
 
 impl<I: Batchable, O> Queue<I, O> {
-    /// A call for `input`, and where its answer comes.
-    fn job(&self, input: Arc<I>) -> (Job<I, O>, oneshot::Receiver<Reply<O>>) {
+    /// The hash that stands for `input`'s record here.
+    fn record_of(&self, input: &I) -> u64 {
+        self.hasher.hash_one(input.record())
+    }
+
+    /// A call for `input`, whose record hashes to `record`, and where its
+    /// answer comes.
+    fn job(&self, input: Arc<I>, record: u64) -> (Job<I, O>, oneshot::Receiver<Reply<O>>) {
         let (reply, answer) = oneshot::channel();
-        let record = self.hasher.hash_one(input.record());
         let job = Job {
             input,
             record,
@@ -574,12 +602,13 @@ impl<I, O> Drop for HeldRecords<I, O> {
     }
 }
 
-/// A lone call's statement, run in its caller's task. When the caller's
-/// future is dropped before it ended (a deadline, a client gone), it runs
-/// to its end in a task of its own, as a worker's statement would: its
-/// turn, record and session stay held until Postgres is done with it, so a
-/// retry of the same record waits for it, its session is kept, and no more
-/// statements run at once than the workers allow.
+/// A statement at rest (a lone call's, or a unit's), run in its caller's
+/// task. When the caller's future is dropped before it ended (a deadline, a
+/// client gone), it runs to its end in a task of its own, as a worker's
+/// statement would: its turn, records and session stay held until Postgres
+/// is done with it, so a retry of one of its records waits for it, its
+/// session is kept, and no more statements run at once than the workers
+/// allow.
 struct RunToEnd<T: Send + 'static>(Option<Pin<Box<dyn Future<Output = T> + Send>>>);
 
 impl<T: Send + 'static> RunToEnd<T> {
@@ -642,8 +671,8 @@ impl Running {
     /// runs or the latest started `overlap_after` ago, whichever comes
     /// first. Claiming is one step under the lock, so two waiting workers
     /// woken by the same end cannot both take the idle turn.
-    /// At most `most` statements run at once: a lone call's in its
-    /// caller's task counts as one of the workers'.
+    /// At most `most` statements run at once: one at rest in its caller's
+    /// task counts as one of the workers'.
     async fn claim(self: &Arc<Self>, overlap_after: Duration, most: usize) -> Turn {
         loop {
             // Created before the check, so an end between the two is not missed.
@@ -693,7 +722,7 @@ impl Drop for Turn {
 
 /// Sessions kept between statements: the idle ones, the one used last on
 /// top. A statement takes one and puts it back when it succeeded, so at
-/// most one per worker exists (a lone call's statement in its caller's task
+/// most one per worker exists (a statement at rest in its caller's task
 /// counts as one of theirs: [`Running::claim`]).
 /// Sessions that are due (see [`Kept::expire`]) are given back: dropped,
 /// outside the lock.
@@ -937,7 +966,7 @@ async fn statement_replies<S: Statement>(
             .collect(),
         Ok(outputs) => {
             let error = StoreError::Corrupt(format!(
-                "a batch of {} answered {} results",
+                "a statement of {} calls answered {} results",
                 inputs.len(),
                 outputs.len()
             ));
@@ -950,7 +979,7 @@ async fn statement_replies<S: Statement>(
         }
         // A row some call waits for, held by another session: each caller
         // runs its call alone, so only the calls of that row wait, on
-        // connections of their own, and the worker takes the next batch.
+        // connections of their own, and the next batch can start.
         Err(error) if error.concerns_rows() => all(&|| Reply::Alone),
         Err(error) => all(&|| Reply::Done(Err(error.clone()))),
     }

@@ -342,8 +342,7 @@ fn run_all_in_task(
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_unit_at_rest_runs_in_its_callers_task_as_one_statement_and_the_calls_behind_it_in_a_worker()
- {
+async fn a_unit_at_rest_runs_as_one_statement_in_its_callers_task() {
     let fake = Fake::new(Script::Answer, TAKES);
     let batcher = spawn(&fake, settings(2));
 
@@ -354,6 +353,7 @@ async fn a_unit_at_rest_runs_in_its_callers_task_as_one_statement_and_the_calls_
         run_in_task(&batcher, "key-0002"),
     ];
     let unit_task = unit.id();
+    let behind_tasks = behind.each_ref().map(|task| task.id());
     assert_eq!(statement_numbers(unit.await.unwrap()), [1, 1, 1]);
     for task in behind {
         assert_eq!(task.await.unwrap().unwrap().statement, 2);
@@ -361,8 +361,13 @@ async fn a_unit_at_rest_runs_in_its_callers_task_as_one_statement_and_the_calls_
 
     let tasks = fake.tasks();
     assert_eq!(tasks[0], Some(unit_task), "no hand-off at rest");
-    assert_ne!(tasks[1], Some(unit_task), "a queued batch runs in a worker");
-    // The unit's records were held: its key's next call waited for it.
+    let worker = tasks[1].expect("statements run in tasks");
+    assert!(
+        worker != unit_task && !behind_tasks.contains(&worker),
+        "a queued batch runs in a worker"
+    );
+    // The calls behind it waited for its turn (it ended before a second
+    // statement could overlap it), then went together.
     assert_eq!(
         fake.statements(),
         [
@@ -382,6 +387,9 @@ async fn a_unit_at_rest_that_one_statement_cannot_hold_goes_to_the_workers() {
             ..settings(1)
         },
     );
+    let fits = batcher
+        .run_all(["key-0006", "key-0007"].map(call).to_vec())
+        .await;
     let repeated = batcher
         .run_all(["key-0001", "key-0002", "key-0001"].map(call).to_vec())
         .await;
@@ -389,12 +397,18 @@ async fn a_unit_at_rest_that_one_statement_cannot_hold_goes_to_the_workers() {
         .run_all(["key-0003", "key-0004", "key-0005"].map(call).to_vec())
         .await;
 
-    assert_eq!(statement_numbers(repeated), [1, 1, 2]);
-    assert_eq!(statement_numbers(too_many), [3, 3, 4]);
+    assert_eq!(statement_numbers(fits), [1, 1]);
+    assert_eq!(statement_numbers(repeated), [2, 2, 3]);
+    assert_eq!(statement_numbers(too_many), [4, 4, 5]);
     // The test's own future is no task: a statement run in it has no id.
+    let tasks = fake.tasks();
+    assert_eq!(
+        tasks[0], None,
+        "a unit of max_size runs at rest, in its caller"
+    );
     assert!(
-        fake.tasks().iter().all(Option::is_some),
-        "each ran in a worker"
+        tasks[1..].iter().all(Option::is_some),
+        "the others in a worker"
     );
 }
 
@@ -403,11 +417,13 @@ async fn a_unit_at_rest_whose_caller_left_runs_to_its_end_holding_its_records_an
     let (batcher, fake) = one_worker(Script::Answer);
     let start = Instant::now();
     let left = run_all_in_task(&batcher, &["key-0001", "key-0002"]);
+    let left_task = left.id();
     tokio::time::sleep(MS).await;
     left.abort();
     let _ = left.await;
 
     let ran = batcher.run(call("key-0002")).await.unwrap();
+    assert_eq!(fake.tasks()[0], Some(left_task), "it ran at rest");
     assert_eq!(start.elapsed(), 2 * TAKES);
     assert_eq!(
         ran,
@@ -417,6 +433,98 @@ async fn a_unit_at_rest_whose_caller_left_runs_to_its_end_holding_its_records_an
         }
     );
     assert_eq!(fake.ended(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_unit_at_rest_holds_every_record_from_an_overlapping_statement() {
+    let fake = Fake::new(Script::Answer, TAKES);
+    let batcher = spawn(&fake, settings(2));
+    let start = Instant::now();
+
+    let unit = run_all_in_task(&batcher, &["key-0001-stuck", "key-0002"]);
+    tokio::time::sleep(MS).await;
+    let other = run_in_task(&batcher, "key-0003");
+    let same = run_in_task(&batcher, "key-0002");
+    assert_eq!(statement_numbers(unit.await.unwrap()), [1, 1]);
+    assert_eq!(other.await.unwrap().unwrap().statement, 2);
+    assert_eq!(same.await.unwrap().unwrap().statement, 3);
+
+    let starts: Vec<Duration> = fake.starts().iter().map(|at| *at - start).collect();
+    assert_eq!(starts, [Duration::ZERO, OVERLAP, 100 * TAKES]);
+    assert_eq!(
+        fake.statements(),
+        [
+            vec!["key-0001-stuck", "key-0002"],
+            vec!["key-0003"],
+            vec!["key-0002"]
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_unit_at_rest_failing_for_a_bug_runs_each_call_again_in_its_caller() {
+    // 42P01: undefined table, neither the database's health nor a row lock.
+    let (batcher, fake) = one_worker(Script::FailWhenHeld("42P01"));
+
+    let answers = batcher
+        .run_all(["key-0001", "key-0002-held", "key-0003"].map(call).to_vec())
+        .await;
+
+    assert!(answers[0].is_ok() && answers[2].is_ok(), "{answers:?}");
+    assert!(
+        matches!(answers[1], Err(StoreError::Internal(_))),
+        "{answers:?}"
+    );
+    assert_eq!(
+        fake.statements(),
+        [
+            vec!["key-0001", "key-0002-held", "key-0003"],
+            vec!["key-0001"],
+            vec!["key-0002-held"],
+            vec!["key-0003"],
+        ]
+    );
+    assert!(
+        fake.tasks().iter().all(Option::is_none),
+        "all in its caller"
+    );
+    assert!(fake.alone().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_unit_at_rest_whose_caller_left_runs_none_of_its_calls_again() {
+    let (batcher, fake) = one_worker(Script::FailWhenHeld("42P01"));
+    let left = run_all_in_task(&batcher, &["key-0001", "key-0002-held", "key-0003"]);
+    tokio::time::sleep(MS).await;
+    left.abort();
+    let _ = left.await;
+
+    // Its records are released once its statement ended.
+    let ran = batcher.run(call("key-0001")).await.unwrap();
+    assert_eq!(ran.statement, 2);
+    assert_eq!(
+        fake.statements(),
+        [
+            vec!["key-0001", "key-0002-held", "key-0003"],
+            vec!["key-0001"]
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_unit_at_rest_answered_with_too_few_results_fails_its_calls() {
+    let (batcher, _fake) = one_worker(Script::AnswerNothing);
+
+    let answers = batcher
+        .run_all(["key-0001", "key-0002"].map(call).to_vec())
+        .await;
+
+    assert!(
+        answers
+            .iter()
+            .all(|answer| matches!(answer, Err(StoreError::Corrupt(_)))),
+        "{answers:?}"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -456,17 +564,22 @@ async fn no_more_statements_run_at_once_than_there_are_workers_with_a_call_at_re
 async fn a_lone_call_does_not_pass_calls_queued_before_it() {
     let (batcher, fake) = one_worker(Script::Answer);
 
-    // The unit is queued, its worker not yet run, when the lone call comes.
+    // The unit is queued (a record twice keeps it from running at rest),
+    // its worker not yet run, when the lone call comes.
     let (unit, lone) = tokio::join!(
-        batcher.run_all(vec![call("key-0001"), call("key-0002")]),
+        batcher.run_all(["key-0001", "key-0002", "key-0001"].map(call).to_vec()),
         batcher.run(call("key-0001")),
     );
 
-    assert!(unit.iter().all(|ran| ran.as_ref().unwrap().statement == 1));
-    assert_eq!(lone.unwrap().statement, 2);
+    assert_eq!(statement_numbers(unit), [1, 1, 2]);
+    assert_eq!(lone.unwrap().statement, 3);
     assert_eq!(
         fake.statements(),
-        [vec!["key-0001", "key-0002"], vec!["key-0001"]]
+        [
+            vec!["key-0001", "key-0002"],
+            vec!["key-0001"],
+            vec!["key-0001"]
+        ]
     );
 }
 
@@ -827,6 +940,26 @@ async fn a_run_all_whose_statement_failed_for_its_rows_runs_each_call_alone_in_i
     let answers: Vec<Ran> = answers.into_iter().map(Result::unwrap).collect();
     assert_eq!(answers, [ALONE, ALONE, ALONE]);
     assert_eq!(fake.alone(), group);
+    assert_eq!(fake.tasks(), [None], "at rest, in its caller");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_queued_run_all_whose_statement_failed_for_its_rows_runs_each_call_alone() {
+    let (batcher, fake) = one_worker(Script::FailWhenHeld("55P03"));
+
+    let group = ["key-0001", "key-0002-held", "key-0003"];
+    let (first, answers) = tokio::join!(batcher.run(call("key-0000")), async {
+        tokio::time::sleep(MS).await;
+        batcher
+            .run_all(group.iter().map(|key| call(key)).collect())
+            .await
+    });
+    first.unwrap();
+
+    let answers: Vec<Ran> = answers.into_iter().map(Result::unwrap).collect();
+    assert_eq!(answers, [ALONE, ALONE, ALONE]);
+    assert_eq!(fake.alone(), group);
+    assert!(fake.tasks()[1].is_some(), "queued, in a worker");
 }
 
 #[tokio::test(start_paused = true)]
@@ -1021,7 +1154,9 @@ async fn a_worker_woken_for_nothing_still_gives_its_session_back_once_idle() {
     // calls): calls whose callers left before the worker looked.
     for wake in 1..=4 {
         tokio::time::sleep_until(start + wake * KEEP_IDLE / 4).await;
-        let (job, answer) = batcher.queue.job(call("key-0002"));
+        let input = call("key-0002");
+        let record = batcher.queue.record_of(&input);
+        let (job, answer) = batcher.queue.job(input, record);
         drop(answer);
         batcher.queue.push(vec![job]);
     }
