@@ -242,50 +242,45 @@ impl<S: Statement> Batcher<S> {
     /// caller leaves ([`RunToEnd`]).
     pub async fn run(&self, input: Arc<S::Input>) -> StoreResult<S::Output> {
         let record = self.queue.record_of(&input);
-        match self.idle_turn(vec![record]) {
-            Ok(idle) => {
-                let mut results = self.run_in_caller(vec![input], idle).await;
-                results.pop().expect("an answer per call")
-            }
-            Err(_) => {
-                let (job, answer) = self.queue.job(input.clone(), record);
-                self.queue.push(vec![job]);
-                self.answer(input, answer).await
-            }
+        if let Some(idle) = self.idle_turn(&[record]) {
+            let mut results = self.run_in_caller(vec![input], idle).await;
+            return results.pop().expect("an answer per call");
         }
+        let (job, answer) = self.queue.job(input.clone(), record);
+        self.queue.push(vec![job]);
+        self.answer(input, answer).await
     }
 
     /// A turn, and `records` held, when they are distinct, one statement
     /// can hold them, nothing is queued, no statement runs (so no record is
-    /// held) and the batcher is open; else `records` back. Claimed under the
-    /// queue's lock, so a worker that finds calls after it waits for the
-    /// turn, and a call for one of its records waits for the statement.
-    fn idle_turn(&self, records: Vec<u64>) -> Result<IdleTurn<S::Input, S::Output>, Vec<u64>> {
+    /// held) and the batcher is open. Claimed under the queue's lock, so a
+    /// worker that finds calls after it waits for the turn, and a call for
+    /// one of its records waits for the statement. Allocates only when it
+    /// claims: under load every call asks, and few find the batcher at rest.
+    fn idle_turn(&self, records: &[u64]) -> Option<IdleTurn<S::Input, S::Output>> {
         if records.is_empty() || records.len() > self.max_size {
-            return Err(records);
+            return None;
         }
         if records.len() > 1 {
             // A record twice (or two whose hashes collide): the queue's
             // rules put its second call in a later statement.
             let mut distinct = Records::with_capacity_and_hasher(records.len(), Default::default());
             if !records.iter().all(|&record| distinct.insert(record)) {
-                return Err(records);
+                return None;
             }
         }
         let mut queued = lock(&self.queue.state);
         if queued.closed || !queued.units.is_empty() {
-            return Err(records);
+            return None;
         }
         // At most one statement: only when none runs.
-        let Ok(turn) = self.running.try_claim(Duration::ZERO, 1) else {
-            return Err(records);
-        };
-        queued.held.extend(&records);
+        let turn = self.running.try_claim(Duration::ZERO, 1).ok()?;
+        queued.held.extend(records);
         drop(queued);
-        Ok(IdleTurn {
+        Some(IdleTurn {
             _held: HeldRecords {
                 queue: self.queue.clone(),
-                records,
+                records: records.to_vec(),
             },
             _turn: turn,
         })
@@ -347,14 +342,13 @@ impl<S: Statement> Batcher<S> {
     /// in order). Answers in input order. At rest, such a unit runs in the
     /// caller's task, as a lone call does ([`Batcher::run`]).
     pub async fn run_all(&self, inputs: Vec<Arc<S::Input>>) -> Vec<StoreResult<S::Output>> {
-        let records = inputs
+        let records: Vec<u64> = inputs
             .iter()
             .map(|input| self.queue.record_of(input))
             .collect();
-        let records = match self.idle_turn(records) {
-            Ok(idle) => return self.run_in_caller(inputs, idle).await,
-            Err(records) => records,
-        };
+        if let Some(idle) = self.idle_turn(&records) {
+            return self.run_in_caller(inputs, idle).await;
+        }
         let (jobs, answers): (Vec<_>, Vec<_>) = inputs
             .iter()
             .zip(records)

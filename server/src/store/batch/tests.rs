@@ -292,16 +292,26 @@ async fn a_call_at_rest_runs_in_its_callers_task_and_the_calls_behind_it_in_a_wo
         assert_eq!(task.await.unwrap().unwrap().statement, 2);
     }
 
-    let tasks = fake.tasks();
-    assert_eq!(tasks[0], Some(first_task), "no hand-off at rest");
-    let worker = tasks[1].expect("statements run in tasks");
-    assert!(
-        worker != first_task && !behind_tasks.contains(&worker),
-        "a queued batch runs in a worker"
-    );
+    assert_ran_at_rest_then_in_a_worker(&fake, first_task, &behind_tasks);
     assert_eq!(
         fake.statements(),
         [vec!["key-0001"], vec!["key-0002", "key-0003"]]
+    );
+}
+
+/// The first statement ran in its caller's task (`at_rest`), the second in
+/// a worker: none of the `behind` callers' tasks.
+fn assert_ran_at_rest_then_in_a_worker(
+    fake: &Fake,
+    at_rest: tokio::task::Id,
+    behind: &[tokio::task::Id],
+) {
+    let tasks = fake.tasks();
+    assert_eq!(tasks[0], Some(at_rest), "no hand-off at rest");
+    let worker = tasks[1].expect("statements run in tasks");
+    assert!(
+        worker != at_rest && !behind.contains(&worker),
+        "a queued batch runs in a worker"
     );
 }
 
@@ -359,13 +369,7 @@ async fn a_unit_at_rest_runs_as_one_statement_in_its_callers_task() {
         assert_eq!(task.await.unwrap().unwrap().statement, 2);
     }
 
-    let tasks = fake.tasks();
-    assert_eq!(tasks[0], Some(unit_task), "no hand-off at rest");
-    let worker = tasks[1].expect("statements run in tasks");
-    assert!(
-        worker != unit_task && !behind_tasks.contains(&worker),
-        "a queued batch runs in a worker"
-    );
+    assert_ran_at_rest_then_in_a_worker(&fake, unit_task, &behind_tasks);
     // The calls behind it waited for its turn (it ended before a second
     // statement could overlap it), then went together.
     assert_eq!(
