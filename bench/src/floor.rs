@@ -129,14 +129,15 @@ pub async fn serve(
     let first = PgConnection::connect_with(&database)
         .await
         .context("connecting to the database")?;
-    let floor = Floor {
+    let floor = Arc::new(Floor {
         database,
         statements,
         idle: Arc::new(Mutex::new(vec![first])),
-    };
+    });
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     tonic::transport::Server::builder()
-        .add_service(IdempotencyServiceServer::new(floor))
+        .add_service(IdempotencyServiceServer::from_arc(floor.clone()))
+        .add_service(crate::steps::Steps::new(floor))
         .serve_with_incoming_shutdown(incoming, tokio::time::sleep(serve_for))
         .await
         .context("serving the floor")

@@ -31,6 +31,7 @@ mod auth_files;
 mod driver;
 mod floor;
 mod stats;
+mod steps;
 
 use std::{
     path::PathBuf,
@@ -53,6 +54,7 @@ use stats::{
     Recorder, Stats, busy_fraction, machine_cpu_ticks, percentiles, percentiles_line,
     process_cpu_seconds,
 };
+use steps::StepStream;
 use tonic::transport::Channel;
 use tonic_health::pb::{
     HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
@@ -268,6 +270,13 @@ struct Cli {
     /// --max-batch-items (100 by default).
     #[arg(long, requires = "raw_stub", value_parser = clap::value_parser!(u32).range(1..=1000))]
     raw_batch: Option<u32>,
+    /// With --raw-batch: each caller sends its batches as messages of one
+    /// bidirectional stream of its own instead of one unary RPC each
+    /// (`steps.rs`), reopened after any error: what a streaming RPC would
+    /// save. Served by --serve-floor, and by the server only with the
+    /// measurement prototype of `make bench-stream` applied.
+    #[arg(long, requires = "raw_batch")]
+    raw_stream: bool,
 }
 
 /// What every worker shares.
@@ -281,6 +290,8 @@ struct Plan {
     raw: Vec<IdempotencyServiceClient<Channel>>,
     /// `--raw-batch`: new-key pairs per op through `raw`.
     raw_batch: Option<u32>,
+    /// `--raw-stream`: the connections of `raw`, each caller's stream on one.
+    raw_streams: Option<Vec<Channel>>,
     namespace: String,
     /// Each call's deadline.
     timeout: Duration,
@@ -496,19 +507,24 @@ async fn raw_pair(plan: &Plan, index: u64, id: RecordId) -> OpResult {
 /// each kind: a BatchAcquire of `ids`, then a BatchComplete of those it
 /// acquired with their tokens. "acquired" when it acquired them all; an
 /// error when a Complete of the batch failed.
-async fn raw_batch(plan: &Plan, index: u64, ids: Vec<RecordId>) -> OpResult {
-    let mut stub = plan.raw_stub(index);
+async fn raw_batch(
+    plan: &Plan,
+    index: u64,
+    ids: Vec<RecordId>,
+    stream: Option<&mut StepStream>,
+) -> OpResult {
+    let mut batches = match stream {
+        Some(stream) => Batches::Stream(stream),
+        None => Batches::Unary(plan.raw_stub(index), plan.timeout),
+    };
     let unexpected = |rpc, status: tonic::Status| (rpc, Error::Unexpected(Box::new(status)));
     let ids: Vec<pb::RecordId> = ids.into_iter().map(raw_id).collect();
     let requests = ids.iter().map(|id| plan.raw_acquire(id.clone())).collect();
-    let mut request = tonic::Request::new(pb::BatchAcquireRequest { requests });
-    request.set_timeout(plan.timeout);
     let started = Instant::now();
-    let results = stub
-        .batch_acquire(request)
+    let results = batches
+        .acquire(pb::BatchAcquireRequest { requests })
         .await
         .map_err(|status| unexpected("acquire", status))?
-        .into_inner()
         .results;
     let acquire_latency = started.elapsed();
     if results.len() != ids.len() {
@@ -544,15 +560,12 @@ async fn raw_batch(plan: &Plan, index: u64, ids: Vec<RecordId>) -> OpResult {
         return Ok((outcome, acquire_latency));
     }
     let sent = completes.len();
-    let mut request = tonic::Request::new(pb::BatchCompleteRequest {
-        requests: completes,
-    });
-    request.set_timeout(plan.timeout);
-    let completed = stub
-        .batch_complete(request)
+    let completed = batches
+        .complete(pb::BatchCompleteRequest {
+            requests: completes,
+        })
         .await
         .map_err(|status| unexpected("complete", status))?
-        .into_inner()
         .results
         .iter()
         .filter(|result| {
@@ -567,6 +580,67 @@ async fn raw_batch(plan: &Plan, index: u64, ids: Vec<RecordId>) -> OpResult {
         return Err(("complete", Error::Unexpected(Box::new(status))));
     }
     Ok((outcome, acquire_latency))
+}
+
+/// `--raw-stream`: [`raw_batch`] over the caller's stream, opened first
+/// if it is not open; after any error it is dropped, and the next op opens
+/// another (a late answer on it would be taken for the next message's).
+async fn streamed_batch(
+    plan: &Plan,
+    index: u64,
+    ids: Vec<RecordId>,
+    channels: &[Channel],
+    stream: &mut Option<StepStream>,
+) -> OpResult {
+    if stream.is_none() {
+        let channel = channels[(index % channels.len() as u64) as usize].clone();
+        let opened = StepStream::open(channel, plan.timeout)
+            .await
+            .map_err(|status| ("stream", Error::Unexpected(Box::new(status))))?;
+        *stream = Some(opened);
+    }
+    let result = raw_batch(plan, index, ids, stream.as_mut()).await;
+    if result.is_err() {
+        *stream = None;
+    }
+    result
+}
+
+/// How `--raw-batch` sends its batches: one unary RPC each, with the
+/// call's deadline, or as messages of the caller's stream (`--raw-stream`).
+enum Batches<'s> {
+    Unary(IdempotencyServiceClient<Channel>, Duration),
+    Stream(&'s mut StepStream),
+}
+
+impl Batches<'_> {
+    async fn acquire(
+        &mut self,
+        batch: pb::BatchAcquireRequest,
+    ) -> Result<pb::BatchAcquireResponse, tonic::Status> {
+        match self {
+            Self::Unary(stub, timeout) => {
+                let mut request = tonic::Request::new(batch);
+                request.set_timeout(*timeout);
+                Ok(stub.batch_acquire(request).await?.into_inner())
+            }
+            Self::Stream(stream) => stream.acquire(batch).await,
+        }
+    }
+
+    async fn complete(
+        &mut self,
+        batch: pb::BatchCompleteRequest,
+    ) -> Result<pb::BatchCompleteResponse, tonic::Status> {
+        match self {
+            Self::Unary(stub, timeout) => {
+                let mut request = tonic::Request::new(batch);
+                request.set_timeout(*timeout);
+                Ok(stub.batch_complete(request).await?.into_inner())
+            }
+            Self::Stream(stream) => stream.complete(batch).await,
+        }
+    }
 }
 
 /// One `grpc.health.v1.Health/Check` of the whole server.
@@ -589,6 +663,9 @@ async fn worker(plan: Arc<Plan>, index: u64, mut stats: Recorder) {
     let replay_count = plan.replay_keys.len().max(1) as u64;
     let mut replay_next = index * replay_count / plan.concurrency;
     let mut rng = fastrand::Rng::with_seed(index ^ 0x9e37_79b9_7f4a_7c15);
+    // `--raw-stream`: the caller's own stream, opened before its first op
+    // and again after any error.
+    let mut stream: Option<StepStream> = None;
     loop {
         plan.pace().await;
         let started = Instant::now();
@@ -618,7 +695,12 @@ async fn worker(plan: Arc<Plan>, index: u64, mut stats: Recorder) {
                     Some(pairs) => {
                         let mut ids = vec![id];
                         ids.extend((1..pairs).map(|_| plan.new_key(&mut rng, index)));
-                        raw_batch(&plan, index, ids).await
+                        match &plan.raw_streams {
+                            None => raw_batch(&plan, index, ids, None).await,
+                            Some(channels) => {
+                                streamed_batch(&plan, index, ids, channels, &mut stream).await
+                            }
+                        }
                     }
                 }
             }
@@ -839,11 +921,12 @@ async fn run(cli: Cli) -> anyhow::Result<Stats> {
         }
     }
     let mut raw = Vec::new();
+    let mut raw_channels = Vec::new();
     if cli.raw_stub {
         for _ in 0..cli.connections {
-            raw.push(IdempotencyServiceClient::new(
-                plain_channel(&cli.endpoint).await?,
-            ));
+            let channel = plain_channel(&cli.endpoint).await?;
+            raw_channels.push(channel.clone());
+            raw.push(IdempotencyServiceClient::new(channel));
         }
     }
 
@@ -887,6 +970,7 @@ async fn run(cli: Cli) -> anyhow::Result<Stats> {
         health,
         raw,
         raw_batch: cli.raw_batch,
+        raw_streams: cli.raw_stream.then_some(raw_channels),
         timeout: cli.timeout,
         namespace: cli.namespace.clone(),
         run,
@@ -998,6 +1082,7 @@ async fn run(cli: Cli) -> anyhow::Result<Stats> {
             "seconds": (seconds * 1000.0).round() / 1000.0,
             "ops_per_sec": (ops_per_sec * 10.0).round() / 10.0,
             "pairs_per_op": cli.raw_batch.unwrap_or(1),
+            "raw_stream": cli.raw_stream,
             "latency_us": percentiles(&total.latency),
             "acquire_latency_us": percentiles(&total.acquire_latency),
             "outcomes": total.outcomes,
@@ -1194,7 +1279,13 @@ mod tests {
             Cli::parse_from(base.iter().chain(&count).chain(more))
         };
         let batches = ["--raw-stub", "--raw-batch", "4"];
-        for cli in [new_keys(&["--raw-stub"]), new_keys(&[]), new_keys(&batches)] {
+        let streamed = ["--raw-stub", "--raw-batch", "4", "--raw-stream"];
+        for cli in [
+            new_keys(&["--raw-stub"]),
+            new_keys(&[]),
+            new_keys(&batches),
+            new_keys(&streamed),
+        ] {
             let stats = run(cli).await.unwrap();
             assert!(stats.errors.is_empty(), "{:?}", stats.error_samples);
             assert_eq!(stats.ops, 20);
@@ -1206,7 +1297,111 @@ mod tests {
         .fetch_one(&mut connection)
         .await
         .unwrap();
-        assert_eq!(completed, 20 + 20 + 20 * 4);
+        assert_eq!(completed, 20 + 20 + 20 * 4 + 20 * 4);
+
+        // Steps of one stream (`--raw-stream`): each answered in order, as
+        // its unary batch RPC would be, and a key that exists refused.
+        let channel = plain_channel(&endpoint).await.unwrap();
+        let mut stream = StepStream::open(channel, Duration::from_secs(10))
+            .await
+            .unwrap();
+        let stream_id = |key: &str| pb::RecordId {
+            namespace: "floor-stream".into(),
+            operation: "POST /floor".into(),
+            subject: "s".into(),
+            key: key.into(),
+        };
+        let acquires = |keys: &[&str]| pb::BatchAcquireRequest {
+            requests: keys
+                .iter()
+                .map(|key| pb::AcquireRequest {
+                    id: Some(stream_id(key)),
+                    fingerprint: vec![7; 32],
+                    ..Default::default()
+                })
+                .collect(),
+        };
+        let tokens: Vec<Option<u64>> = stream
+            .acquire(acquires(&["stream-key-2", "stream-key-1"]))
+            .await
+            .unwrap()
+            .results
+            .into_iter()
+            .map(|result| match result.result {
+                Some(pb::batch_acquire_result::Result::Response(pb::AcquireResponse {
+                    outcome: Some(pb::acquire_response::Outcome::Acquired(acquired)),
+                })) => Some(acquired.fencing_token),
+                _ => None,
+            })
+            .collect();
+        assert!(tokens.iter().all(Option::is_some), "{tokens:?}");
+        let again = stream
+            .acquire(acquires(&["stream-key-1"]))
+            .await
+            .unwrap()
+            .results;
+        assert!(
+            matches!(
+                again[0].result,
+                Some(pb::batch_acquire_result::Result::Error(_))
+            ),
+            "a key that exists: {again:?}"
+        );
+        let completes = pb::BatchCompleteRequest {
+            requests: ["stream-key-2", "stream-key-1"]
+                .iter()
+                .zip(&tokens)
+                .map(|(key, token)| pb::CompleteRequest {
+                    id: Some(stream_id(key)),
+                    fencing_token: token.unwrap(),
+                    response: Some(pb::StoredResponse {
+                        status_code: 201,
+                        ..Default::default()
+                    }),
+                })
+                .collect(),
+        };
+        let completed = stream.complete(completes).await.unwrap().results;
+        assert!(
+            completed.iter().all(|result| matches!(
+                result.result,
+                Some(pb::batch_complete_result::Result::Response(_))
+            )),
+            "{completed:?}"
+        );
+        let stored: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM idempotency_records
+             WHERE namespace = 'floor-stream' AND state = 'completed' AND response_status = 201",
+        )
+        .fetch_one(&mut connection)
+        .await
+        .unwrap();
+        assert_eq!(stored, 2);
+        // An error for a message as a whole (an item without an id) ends
+        // the stream, as steps.rs says: the next step fails, and a stream
+        // opened again is answered.
+        let no_id = pb::BatchAcquireRequest {
+            requests: vec![pb::AcquireRequest::default()],
+        };
+        let refused = stream.acquire(no_id).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert!(stream.acquire(acquires(&["stream-key-3"])).await.is_err());
+        let channel = plain_channel(&endpoint).await.unwrap();
+        let mut stream = StepStream::open(channel, Duration::from_secs(10))
+            .await
+            .unwrap();
+        let results = stream
+            .acquire(acquires(&["stream-key-3"]))
+            .await
+            .unwrap()
+            .results;
+        assert!(
+            matches!(
+                results[0].result,
+                Some(pb::batch_acquire_result::Result::Response(_))
+            ),
+            "{results:?}"
+        );
 
         // Batches through the generated stub: one statement per RPC.
         let mut stub = IdempotencyServiceClient::connect(endpoint.clone())
