@@ -32,6 +32,15 @@ bench-budget:
 bench-floor:
 	scripts/bench-floor.sh
 
+# What a streaming RPC would buy: a caller's batches as messages of one stream
+# instead of one unary RPC each, against the floor and against the server with a
+# measurement prototype applied to a scratch copy (bench/prototypes/; never
+# merged), at 1 and 16 pairs in flight (about twelve minutes with its build; not
+# in CI). STREAM_BATCHES, STREAM_CALLERS, STREAM_ROUNDS, BENCH_SECONDS tune it.
+.PHONY: bench-stream
+bench-stream:
+	scripts/bench-stream.sh
+
 # Cost as the table grows: new-key pairs with 0, 10 and 30 million live rows
 # preloaded, and bytes per key on disk (about 25 GB of disk and an hour; not in
 # CI). SCALE_ROWS, BENCH_SECONDS, BENCH_REPEATS tune it (see the script).
