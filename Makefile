@@ -35,8 +35,8 @@ bench-floor:
 # What a streaming RPC would buy: a caller's batches as messages of one stream
 # instead of one unary RPC each, against the floor and against the server with a
 # measurement prototype applied to a scratch copy (bench/prototypes/; never
-# merged), at 1 and 16 pairs in flight (about twelve minutes with its build; not
-# in CI). STREAM_BATCHES, STREAM_CALLERS, STREAM_ROUNDS, BENCH_SECONDS tune it.
+# merged), at 1 and 16 pairs in flight (about 15 minutes the first time, with its
+# build; not in CI). STREAM_BATCHES, STREAM_CALLERS, STREAM_ROUNDS, BENCH_SECONDS tune it.
 .PHONY: bench-stream
 bench-stream:
 	scripts/bench-stream.sh

@@ -47,12 +47,25 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/idempotency-floor.XXXXXX")
 pids=""
 trap 'kill $pids 2>/dev/null; rm -rf "$work"' EXIT
 
-# N free ports, distinct: all bound at once, then let go.
-free_ports() {
-  python3 -c 'import socket, sys
-held = [socket.socket() for _ in range(int(sys.argv[1]))]
-for s in held: s.bind(("127.0.0.1", 0))
-print(" ".join(str(s.getsockname()[1]) for s in held))' "$1"
+free_ports() { # N free ports below the kernel's ephemeral range, so that no outgoing
+  # connection (a driver's to Postgres) is given one between this choice and the bind.
+  python3 -c 'import random, socket, sys
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+top = low if low > 11000 else 65536
+ports = []
+while len(ports) < int(sys.argv[1]):
+    port = random.randrange(10000, top)
+    if port in ports:
+        continue
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+        ports.append(port)
+    except OSError:
+        pass
+    finally:
+        s.close()
+print(" ".join(map(str, ports)))' "$1"
 }
 wait_port() {
   for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return; sleep 0.1; done
