@@ -47,14 +47,17 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/idempotency-floor.XXXXXX")
 pids=""
 trap 'kill $pids 2>/dev/null; rm -rf "$work"' EXIT
 
-free_ports() { # N free ports below the kernel's ephemeral range, so that no outgoing
+free_ports() { # N free ports outside the kernel's ephemeral range, so that no outgoing
   # connection (a driver's to Postgres) is given one between this choice and the bind.
   python3 -c 'import random, socket, sys
-low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-top = low if low > 11000 else 65536
-ports = []
-while len(ports) < int(sys.argv[1]):
-    port = random.randrange(10000, top)
+low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+spans = [(r, s) for r, s in ((10000, low), (high + 1, 65536)) if s - r >= 1000]
+if not spans:
+    sys.exit(f"no room for ports outside the ephemeral range {low}-{high}")
+ports, tries = [], 0
+while len(ports) < int(sys.argv[1]) and tries < 10000:
+    tries += 1
+    port = random.randrange(*random.choice(spans))
     if port in ports:
         continue
     s = socket.socket()
@@ -65,6 +68,8 @@ while len(ports) < int(sys.argv[1]):
         pass
     finally:
         s.close()
+if len(ports) < int(sys.argv[1]):
+    sys.exit("no free ports found")
 print(" ".join(map(str, ports)))' "$1"
 }
 wait_port() {

@@ -51,6 +51,9 @@ if [ -z "${STREAM_INNER:-}" ]; then
     say "bench/prototypes/server-steps.patch no longer applies to HEAD: refresh it"
     exit 1
   }
+  # Not --locked: the patch gives the server a dependency the lock already
+  # holds (tonic-prost), which cargo adds to the scratch copy's lock at the
+  # version locked.
   (cd "$scratch/tree" && cargo build --release -p idempotency-server \
     --target-dir "$root/target/stream-prototype")
   # A throwaway Postgres of its own, whatever DATABASE_URL says.
@@ -71,14 +74,17 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/idempotency-stream.XXXXXX")
 pids=""
 trap 'kill $pids 2>/dev/null; rm -rf "$work"' EXIT
 
-free_ports() { # N free ports below the kernel's ephemeral range, so that no outgoing
+free_ports() { # N free ports outside the kernel's ephemeral range, so that no outgoing
   # connection (a driver's to Postgres) is given one between this choice and the bind.
   python3 -c 'import random, socket, sys
-low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-top = low if low > 11000 else 65536
-ports = []
-while len(ports) < int(sys.argv[1]):
-    port = random.randrange(10000, top)
+low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+spans = [(r, s) for r, s in ((10000, low), (high + 1, 65536)) if s - r >= 1000]
+if not spans:
+    sys.exit(f"no room for ports outside the ephemeral range {low}-{high}")
+ports, tries = [], 0
+while len(ports) < int(sys.argv[1]) and tries < 10000:
+    tries += 1
+    port = random.randrange(*random.choice(spans))
     if port in ports:
         continue
     s = socket.socket()
@@ -89,6 +95,8 @@ while len(ports) < int(sys.argv[1]):
         pass
     finally:
         s.close()
+if len(ports) < int(sys.argv[1]):
+    sys.exit("no free ports found")
 print(" ".join(map(str, ports)))' "$1"
 }
 wait_port() {
