@@ -74,36 +74,8 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/idempotency-stream.XXXXXX")
 pids=""
 trap 'kill $pids 2>/dev/null; rm -rf "$work"' EXIT
 
-free_ports() { # N free ports outside the kernel's ephemeral range, so that no outgoing
-  # connection (a driver's to Postgres) is given one between this choice and the bind.
-  python3 -c 'import random, socket, sys
-low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
-spans = [(r, s) for r, s in ((10000, low), (high + 1, 65536)) if s - r >= 1000]
-if not spans:
-    sys.exit(f"no room for ports outside the ephemeral range {low}-{high}")
-ports, tries = [], 0
-while len(ports) < int(sys.argv[1]) and tries < 10000:
-    tries += 1
-    port = random.randrange(*random.choice(spans))
-    if port in ports:
-        continue
-    s = socket.socket()
-    try:
-        s.bind(("127.0.0.1", port))
-        ports.append(port)
-    except OSError:
-        pass
-    finally:
-        s.close()
-if len(ports) < int(sys.argv[1]):
-    sys.exit("no free ports found")
-print(" ".join(map(str, ports)))' "$1"
-}
-wait_port() {
-  for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return; sleep 0.1; done
-  say "nothing listens on port $1; logs:"; cat "$work"/*.log >&2; exit 1
-}
-sql() { "$psql" -X -q -v ON_ERROR_STOP=1 -c "$1" "$DATABASE_URL"; }
+# shellcheck source=scripts/bench-ports.sh
+. scripts/bench-ports.sh
 
 "$server_bin" migrate >"$work/migrate.log" 2>&1 || { cat "$work/migrate.log" >&2; exit 1; }
 "$psql" -X -q -v ON_ERROR_STOP=1 -v keys=1000 -v payload=256 -f bench/pgbench/replay_keys.sql \
