@@ -38,3 +38,9 @@ pub const OVERLOADED: &str = "OVERLOADED";
 /// No answer within the call's deadline (the caller's, or the server's
 /// --request-timeout): the database is slow or unreachable.
 pub const REQUEST_TIMEOUT: &str = "REQUEST_TIMEOUT";
+/// BatchStream only: the connection or principal has its most streams open.
+pub const TOO_MANY_STREAMS: &str = "TOO_MANY_STREAMS";
+/// BatchStream only: the caller left answers unread too long.
+pub const SLOW_READER: &str = "SLOW_READER";
+/// BatchStream only: the server stopped before answering every message it read.
+pub const DRAINING: &str = "DRAINING";

@@ -29,6 +29,10 @@ pub const GRPC_CONNECTIONS: &str = "idempotency_grpc_connections";
 pub const GRPC_CONNECTIONS_CLOSED_TOTAL: &str = "idempotency_grpc_connections_closed_total";
 pub const GRPC_CALLS_IN_FLIGHT: &str = "idempotency_grpc_calls_in_flight";
 pub const GRPC_CALLS_REFUSED_TOTAL: &str = "idempotency_grpc_calls_refused_total";
+pub const GRPC_STREAMS_OPEN: &str = "idempotency_grpc_streams_open";
+pub const GRPC_STREAM_MESSAGES_IN_FLIGHT: &str = "idempotency_grpc_stream_messages_in_flight";
+pub const GRPC_STREAMS_REFUSED_TOTAL: &str = "idempotency_grpc_streams_refused_total";
+pub const GRPC_STREAMS_ENDED_TOTAL: &str = "idempotency_grpc_streams_ended_total";
 
 // The database.
 pub const DB_QUERY_DURATION_SECONDS: &str = "idempotency_db_query_duration_seconds";
@@ -135,6 +139,29 @@ fn describe_connections() {
         GRPC_CALLS_REFUSED_TOTAL,
         "gRPC calls answered UNAVAILABLE (reason OVERLOADED) at once because \
          --max-concurrent-calls calls were in flight."
+    );
+    describe_gauge!(
+        GRPC_STREAMS_OPEN,
+        "BatchStream calls open (at most --max-streams)."
+    );
+    describe_gauge!(
+        GRPC_STREAM_MESSAGES_IN_FLIGHT,
+        "BatchStream messages read and not yet answered on the wire, across every stream \
+         (at most --stream-max-in-flight per stream). Each is also a call in \
+         idempotency_grpc_calls_in_flight while it is served."
+    );
+    describe_counter!(
+        GRPC_STREAMS_REFUSED_TOTAL,
+        "BatchStream calls refused at open, by reason: overloaded (--max-streams were open), \
+         too_many_streams (the connection's or principal's limit), unauthenticated, \
+         bad_message (not gRPC, or compressed)."
+    );
+    describe_counter!(
+        GRPC_STREAMS_ENDED_TOTAL,
+        "BatchStream calls ended, by reason: closed (by the caller, every message answered), \
+         idle, max_age, draining (every message answered), drain_timeout, unauthenticated, \
+         slow_reader, overloaded, bad_message (too large, compressed or not protobuf), \
+         cancelled (the caller went away)."
     );
 }
 

@@ -18,6 +18,7 @@ pub use crate::database_url::{DatabaseUrl, DatabaseUrlError};
 use crate::{
     db::PoolSettings,
     domain::Limits,
+    grpc::stream::{SlotLimits, StreamSettings},
     maintenance::ReaperSettings,
     replay_cache::ReplayCacheSettings,
     store::{batch::BatchSettings, reaper::ReapLimits},
@@ -87,6 +88,8 @@ pub struct Settings {
     pub security: SecurityArgs,
     #[command(flatten)]
     pub connections: ConnectionArgs,
+    #[command(flatten)]
+    pub streams: StreamArgs,
     /// Apply migrations before serving.
     #[arg(long, env = "IDEMPOTENCY_MIGRATE")]
     pub migrate: bool,
@@ -326,6 +329,39 @@ pub struct ConnectionArgs {
     pub max_concurrent_calls: u32,
 }
 
+/// BatchStream calls (docs/contract.md, "A stream of batches"). Each of a
+/// stream's messages is also a call to `--max-concurrent-calls` and the
+/// memory budget while it is served.
+#[derive(Debug, Clone, Args)]
+pub struct StreamArgs {
+    /// Most BatchStream calls open at once; one more is answered UNAVAILABLE
+    /// (reason OVERLOADED) at once.
+    #[arg(long, env = "IDEMPOTENCY_MAX_STREAMS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_streams: u32,
+    /// Most BatchStream calls open at once on one connection; one more is
+    /// answered RESOURCE_EXHAUSTED (reason TOO_MANY_STREAMS).
+    #[arg(long, env = "IDEMPOTENCY_STREAM_MAX_PER_CONNECTION", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    pub stream_max_per_connection: u32,
+    /// With auth on, most BatchStream calls one principal may have open
+    /// across all its connections (RESOURCE_EXHAUSTED, TOO_MANY_STREAMS).
+    #[arg(long, env = "IDEMPOTENCY_STREAM_MAX_PER_PRINCIPAL", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub stream_max_per_principal: u32,
+    /// Messages of one stream served at once, their unwritten answers
+    /// included; past it the server stops reading the stream until an
+    /// answer is written.
+    #[arg(long, env = "IDEMPOTENCY_STREAM_MAX_IN_FLIGHT", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub stream_max_in_flight: u32,
+    /// A stream with no message in flight for this long ends (status OK).
+    #[arg(long, env = "IDEMPOTENCY_STREAM_IDLE_TIMEOUT", default_value = "5m", value_parser = positive_duration)]
+    pub stream_idle_timeout: Duration,
+    /// A stream ends (status OK, after answering what it read) at this age,
+    /// give or take a tenth at random, so that long-lived streams spread
+    /// over new replicas. Each stream keeps its connection open, so a
+    /// connection lives up to --max-connection-age plus this.
+    #[arg(long, env = "IDEMPOTENCY_STREAM_MAX_AGE", default_value = "30m", value_parser = positive_duration)]
+    pub stream_max_age: Duration,
+}
+
 impl ConnectionArgs {
     pub fn settings(&self) -> crate::grpc::connections::ConnectionSettings {
         crate::grpc::connections::ConnectionSettings {
@@ -505,6 +541,26 @@ impl Settings {
             max_size: self.batch_max_size,
             overlap_after: self.batch_overlap_after,
         })
+    }
+
+    /// BatchStream's limits. Answers may wait unread as long as a call may
+    /// take (--request-timeout); draining streams get half of
+    /// --drain-timeout to answer what they read, so that they end with a
+    /// status of their own before the server gives up on its calls.
+    pub fn stream_settings(&self) -> StreamSettings {
+        let streams = &self.streams;
+        StreamSettings {
+            slots: SlotLimits {
+                max_streams: streams.max_streams as usize,
+                per_connection: streams.stream_max_per_connection as usize,
+                per_principal: streams.stream_max_per_principal as usize,
+            },
+            max_in_flight: streams.stream_max_in_flight as usize,
+            idle_timeout: streams.stream_idle_timeout,
+            max_age: streams.stream_max_age,
+            write_timeout: self.request_timeout,
+            drain_grace: self.drain_timeout / 2,
+        }
     }
 
     /// Finished records kept in memory for repeated Acquires; `None`: off.

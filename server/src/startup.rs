@@ -46,6 +46,7 @@ use crate::{
         metrics::CallSeries,
         pb,
         service::IdempotencyServiceServer,
+        stream::StreamLayer,
         trace::TraceLayer,
     },
     health, maintenance,
@@ -406,14 +407,17 @@ fn grpc_server(
         .then(|| reflection().build_v1alpha())
         .transpose()?
         .map(|service| service.max_decoding_message_size(small));
-    let admission = AdmissionLayer::new(
-        settings.limits(),
-        MemoryBudget::new(settings.max_in_flight_bytes, recorder),
-        series,
+    let budget = MemoryBudget::new(settings.max_in_flight_bytes, recorder);
+    let (streams, drain) = StreamLayer::new(
+        settings.stream_settings(),
+        &settings.limits(),
+        budget.clone(),
+        security.auth.clone(),
     );
+    let admission = AdmissionLayer::new(settings.limits(), budget, series);
     let connections = settings.connections.settings();
     let router = connections
-        .server()
+        .server(streams)
         .max_connection_age(settings.security.max_connection_age)
         // Outermost first: the call's span (so that whatever is logged
         // about the call carries its trace id, refusals included), who calls
@@ -430,8 +434,11 @@ fn grpc_server(
     let gate = connections.gate();
     let tls = security.tls.clone();
     Ok(Box::new(move |stop| {
-        let stopped = async {
+        let stopped = async move {
             let _ = stop.await;
+            // Streams stop reading and answer what they read, within their
+            // grace, while the server stops taking calls.
+            drain.start();
         };
         match tls {
             Some(tls) => Box::pin(router.serve_with_incoming_shutdown(

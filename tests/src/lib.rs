@@ -11,6 +11,7 @@ mod proxy;
 pub mod raw;
 pub mod security;
 mod server;
+pub mod stream;
 mod test_log;
 
 pub use database::TestDb;

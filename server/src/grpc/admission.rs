@@ -84,7 +84,7 @@ impl MemoryBudget {
     }
 
     /// Charges `bytes` if they fit under the limit.
-    fn try_charge(self: &Arc<Self>, bytes: usize) -> Option<Charge> {
+    pub(super) fn try_charge(self: &Arc<Self>, bytes: usize) -> Option<Charge> {
         self.used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
                 used.checked_add(bytes).filter(|&total| total <= self.limit)
@@ -104,7 +104,7 @@ impl MemoryBudget {
 
 /// Bytes charged to the budget until dropped.
 #[derive(Debug)]
-struct Charge {
+pub(super) struct Charge {
     budget: Arc<MemoryBudget>,
     bytes: usize,
 }

@@ -72,7 +72,7 @@ pub struct Authenticated<S> {
 }
 
 /// The client's address, for the audit log.
-fn remote_addr(extensions: &http::Extensions) -> Option<SocketAddr> {
+pub(super) fn remote_addr(extensions: &http::Extensions) -> Option<SocketAddr> {
     extensions
         .get::<TlsConnectInfo>()
         .and_then(|info| info.remote_addr)
@@ -114,25 +114,14 @@ where
         if path.starts_with(HEALTH_PREFIX) {
             return Either::Right(self.inner.call(request));
         }
-        let peer: Option<&PeerIdentity> = request
-            .extensions()
-            .get::<TlsConnectInfo>()
-            .and_then(|info| info.peer.as_ref());
-        let authorization = request
-            .headers()
-            .get(http::header::AUTHORIZATION)
-            .map(|value| value.as_bytes());
-        let remote = remote_addr(request.extensions());
-        let denied = match auth.credentials.authenticate(authorization, peer) {
-            Err(rejection) => Some(unauthenticated(method(path), remote, &rejection)),
-            Ok(principal) => {
-                let refused =
-                    path.starts_with(REFLECTION_PREFIX) && !auth.policy.current().names(&principal);
-                let denied =
-                    refused.then(|| reflection_forbidden(method(path), remote, &principal));
-                request
-                    .extensions_mut()
-                    .insert(Caller { principal, remote });
+        let denied = match authenticate(auth, path, request.headers(), request.extensions()) {
+            Err(status) => Some(status),
+            Ok(caller) => {
+                let refused = path.starts_with(REFLECTION_PREFIX)
+                    && !auth.policy.current().names(&caller.principal);
+                let denied = refused
+                    .then(|| reflection_forbidden(method(path), caller.remote, &caller.principal));
+                request.extensions_mut().insert(caller);
                 denied
             }
         };
@@ -140,6 +129,28 @@ where
             Some(status) => Either::Left(ready(Ok(status.into_http()))),
             None => Either::Right(self.inner.call(request)),
         }
+    }
+}
+
+/// Who calls `path`: the bearer token in `headers` or the client
+/// certificate of the connection (`extensions`), checked against the
+/// credentials as they are now. A refusal is counted and audited.
+pub fn authenticate(
+    auth: &Auth,
+    path: &str,
+    headers: &http::HeaderMap,
+    extensions: &http::Extensions,
+) -> Result<Caller, Status> {
+    let peer: Option<&PeerIdentity> = extensions
+        .get::<TlsConnectInfo>()
+        .and_then(|info| info.peer.as_ref());
+    let authorization = headers
+        .get(http::header::AUTHORIZATION)
+        .map(|value| value.as_bytes());
+    let remote = remote_addr(extensions);
+    match auth.credentials.authenticate(authorization, peer) {
+        Ok(principal) => Ok(Caller { principal, remote }),
+        Err(rejection) => Err(unauthenticated(method(path), remote, &rejection)),
     }
 }
 

@@ -85,15 +85,17 @@ impl Default for ConnectionSettings {
 }
 
 impl ConnectionSettings {
-    /// A server builder with these HTTP/2 settings and, outermost, the cap
-    /// on calls in flight.
-    pub fn server(&self) -> Server<Stack<CallLimitLayer, Identity>> {
+    /// A server builder with these HTTP/2 settings, `outermost` (the
+    /// BatchStream layer, each of whose messages is a call), then the cap on
+    /// calls in flight.
+    pub fn server<L>(&self, outermost: L) -> Server<Stack<CallLimitLayer, Stack<L, Identity>>> {
         Server::builder()
             .max_concurrent_streams(self.max_concurrent_streams)
             .http2_keepalive_interval(Some(self.keepalive_interval))
             .http2_keepalive_timeout(Some(self.keepalive_timeout))
             .http2_max_pending_accept_reset_streams(Some(self.max_pending_accept_reset_streams))
             .http2_max_local_error_reset_streams(Some(self.max_local_error_reset_streams))
+            .layer(outermost)
             .layer(CallLimitLayer::new(self.max_concurrent_calls))
     }
 

@@ -25,6 +25,7 @@ pub mod deadline;
 pub mod metrics;
 pub mod service;
 pub mod status;
+pub mod stream;
 pub mod trace;
 pub mod wire;
 pub mod write_hold;

@@ -24,6 +24,7 @@ mod replay_cache;
 mod replicas;
 mod scoping;
 mod shutdown;
+mod stream;
 mod support;
 mod ttl;
 mod validation;

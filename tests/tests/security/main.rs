@@ -8,4 +8,5 @@ mod credentials;
 mod modes;
 mod namespaces;
 mod rotation;
+mod stream;
 mod support;

@@ -35,3 +35,9 @@ MESSAGE_TOO_LARGE = "MESSAGE_TOO_LARGE"
 OVERLOADED = "OVERLOADED"
 #: No answer within the call's deadline: the database is slow or unreachable.
 REQUEST_TIMEOUT = "REQUEST_TIMEOUT"
+#: BatchStream only: the connection or principal has its most streams open.
+TOO_MANY_STREAMS = "TOO_MANY_STREAMS"
+#: BatchStream only: the caller left answers unread too long.
+SLOW_READER = "SLOW_READER"
+#: BatchStream only: the server stopped before answering every message it read.
+DRAINING = "DRAINING"

@@ -318,6 +318,12 @@ IDEMPOTENCY_MAX_CONNECTIONS: {{ int64 $c.maxConnections | toString | quote }}
 IDEMPOTENCY_HANDSHAKE_TIMEOUT: {{ $c.handshakeTimeout | quote }}
 IDEMPOTENCY_MAX_CONCURRENT_STREAMS: {{ int64 $c.maxConcurrentStreams | toString | quote }}
 IDEMPOTENCY_MAX_CONCURRENT_CALLS: {{ int64 $c.maxConcurrentCalls | toString | quote }}
+IDEMPOTENCY_MAX_STREAMS: {{ int64 $c.maxStreams | toString | quote }}
+IDEMPOTENCY_STREAM_MAX_PER_CONNECTION: {{ int64 $c.streamMaxPerConnection | toString | quote }}
+IDEMPOTENCY_STREAM_MAX_PER_PRINCIPAL: {{ int64 $c.streamMaxPerPrincipal | toString | quote }}
+IDEMPOTENCY_STREAM_MAX_IN_FLIGHT: {{ int64 $c.streamMaxInFlight | toString | quote }}
+IDEMPOTENCY_STREAM_IDLE_TIMEOUT: {{ $c.streamIdleTimeout | quote }}
+IDEMPOTENCY_STREAM_MAX_AGE: {{ $c.streamMaxAge | quote }}
 IDEMPOTENCY_HTTP2_KEEPALIVE_INTERVAL: {{ $c.http2KeepaliveInterval | quote }}
 IDEMPOTENCY_HTTP2_KEEPALIVE_TIMEOUT: {{ $c.http2KeepaliveTimeout | quote }}
 IDEMPOTENCY_HTTP2_MAX_PENDING_RESET_STREAMS: {{ int64 $c.http2MaxPendingResetStreams | toString | quote }}
