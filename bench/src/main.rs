@@ -174,6 +174,9 @@ struct Cli {
     /// Every call its own RPC (no client-side batching).
     #[arg(long)]
     no_batching: bool,
+    /// Batches as RPCs, not as messages of the client's BatchStream.
+    #[arg(long)]
+    no_stream: bool,
     /// Deadline of each call.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     timeout: Duration,
@@ -896,6 +899,7 @@ async fn run(cli: Cli) -> anyhow::Result<Stats> {
             .retry(RetryPolicy::none())
             .batching((!cli.no_batching).then(|| Batching {
                 max_in_flight: cli.batch_in_flight as usize,
+                stream: !cli.no_stream,
                 ..Batching::default()
             }));
         if let Some(ca) = &cli.tls_ca {
@@ -1067,7 +1071,7 @@ async fn run(cli: Cli) -> anyhow::Result<Stats> {
             "threads": cli.threads,
             "tls": cli.tls_ca.is_some(),
             "bearer_token": cli.bearer_token_file.is_some(),
-            "batching": if cli.no_batching { serde_json::Value::Null } else { serde_json::json!({"max_in_flight": cli.batch_in_flight}) },
+            "batching": if cli.no_batching { serde_json::Value::Null } else { serde_json::json!({"max_in_flight": cli.batch_in_flight, "stream": !cli.no_stream}) },
             "payload_bytes": cli.payload_bytes,
             "keys": keys,
             "mix": format!("{}:{}", cli.mix.new, cli.mix.replay),

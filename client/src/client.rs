@@ -15,7 +15,10 @@ use tonic::{
 use tracing::Instrument;
 
 use crate::{
-    batching::{Batcher, Batching, Grpc, SendBatch},
+    batching::{
+        Batcher, Batching, Grpc, SendBatch,
+        stream::{StreamStub, Streams},
+    },
     credentials::{Credentials, TokenSource},
     error::{Error, is_dropped_connection, is_transient},
     lease::{Acquisition, Lease},
@@ -129,31 +132,50 @@ pub struct Client {
 #[derive(Debug)]
 struct Inner {
     stub: Stub,
+    /// The stream stub on the same transport and credentials; `None` with
+    /// several endpoints, whose balancer spreads calls, not streams.
+    stream_stub: Option<(StreamStub, Credentials)>,
     options: ClientOptions,
     acquires: Option<Batcher<Grpc<pb::AcquireRequest>>>,
     completes: Option<Batcher<Grpc<pb::CompleteRequest>>>,
 }
 
 impl Inner {
-    fn new(channel_stub: Stub, options: ClientOptions) -> Self {
+    fn new(
+        channel_stub: Stub,
+        stream_stub: Option<(StreamStub, Credentials)>,
+        options: ClientOptions,
+    ) -> Self {
         // Batch replies carry up to 100 stored responses: no 4 MiB cap.
         let stub = channel_stub.max_decoding_message_size(usize::MAX);
         let batching = options.batching.as_ref();
+        // One stream set, shared by both kinds of call.
+        let streams = batching
+            .filter(|batching| batching.stream)
+            .and(stream_stub.clone())
+            .map(|(stub, credentials)| Arc::new(Streams::new(stub, credentials)));
         Self {
-            acquires: batching.map(|b| batcher(&stub, b, options.timeout)),
-            completes: batching.map(|b| batcher(&stub, b, options.timeout)),
+            acquires: batching.map(|b| batcher(&stub, &streams, b, options.timeout)),
+            completes: batching.map(|b| batcher(&stub, &streams, b, options.timeout)),
             stub,
+            stream_stub,
             options,
         }
     }
 }
 
-/// The batcher of one kind of call, sending through `stub`.
-fn batcher<R>(stub: &Stub, batching: &Batching, timeout: Duration) -> Batcher<Grpc<R>>
+/// The batcher of one kind of call, sending through `stub`, or `streams`.
+fn batcher<R>(
+    stub: &Stub,
+    streams: &Option<Arc<Streams>>,
+    batching: &Batching,
+    timeout: Duration,
+) -> Batcher<Grpc<R>>
 where
     Grpc<R>: SendBatch<Request = R>,
 {
-    Batcher::new(Grpc::new(stub.clone()), batching.clone(), timeout)
+    let sender = Grpc::with_streams(stub.clone(), streams.clone());
+    Batcher::new(sender, batching.clone(), timeout)
 }
 
 impl Client {
@@ -177,9 +199,14 @@ impl Client {
     }
 
     fn new(transport: Transport, credentials: Credentials, options: ClientOptions) -> Self {
+        let stream_stub = matches!(transport, Transport::Channel(_)).then(|| {
+            let stub = crate::transport::stream_stub(transport.clone(), credentials.clone());
+            (stub, credentials.clone())
+        });
         Self {
             inner: Arc::new(Inner::new(
                 crate::transport::stub(transport, credentials),
+                stream_stub,
                 options,
             )),
         }
@@ -187,8 +214,13 @@ impl Client {
 
     /// The same connection with other options.
     pub fn with_options(self, options: ClientOptions) -> Self {
+        let inner = &self.inner;
         Self {
-            inner: Arc::new(Inner::new(self.inner.stub.clone(), options)),
+            inner: Arc::new(Inner::new(
+                inner.stub.clone(),
+                inner.stream_stub.clone(),
+                options,
+            )),
         }
     }
 

@@ -192,6 +192,15 @@ impl Credentials {
     pub(crate) fn new(token: Option<TokenSource>) -> Self {
         Self { token }
     }
+
+    /// The `authorization` value the next call carries, if any: a stream
+    /// opened with another is not used for new messages.
+    pub(crate) fn authorization(&self) -> Result<Option<AsciiMetadataValue>, Status> {
+        self.token
+            .as_ref()
+            .map(TokenSource::authorization)
+            .transpose()
+    }
 }
 
 impl Interceptor for Credentials {

@@ -328,8 +328,12 @@ mod tests {
                 b"f".to_vec(),
             )
         };
-        // The connection's preface and settings.
+        // The connection's preface and settings, and the client's probe
+        // for BatchStream (which the fake has not).
         client.get(&request(0).id).await.unwrap();
+        let _probed = client.acquire(&request(CALLS)).await.unwrap();
+        // The refused stream's end, written after its answer.
+        tokio::time::sleep(Duration::from_millis(100)).await;
         let before = writes.load(Ordering::Relaxed);
         for n in 0..CALLS / 2 {
             let Acquisition::Proceed(mut lease) = client.acquire(&request(n)).await.unwrap() else {

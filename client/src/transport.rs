@@ -19,8 +19,14 @@ use tonic::{
 };
 
 use crate::{
-    balanced_endpoint::BalancedEndpoint, credentials::Credentials,
-    pb::idempotency_service_client::IdempotencyServiceClient, trace::TraceContext,
+    balanced_endpoint::BalancedEndpoint,
+    batching::stream::StreamStub,
+    credentials::Credentials,
+    pb::{
+        idempotency_service_client::IdempotencyServiceClient,
+        idempotency_stream_service_client::IdempotencyStreamServiceClient,
+    },
+    trace::TraceContext,
 };
 
 /// The stub every call of a [`Client`](crate::Client) uses, unary or batch:
@@ -29,6 +35,11 @@ pub(crate) type Stub = IdempotencyServiceClient<InterceptedService<Transport, Cr
 
 pub(crate) fn stub(transport: Transport, credentials: Credentials) -> Stub {
     IdempotencyServiceClient::with_interceptor(transport, credentials)
+}
+
+/// The `BatchStream` stub on the same transport and credentials.
+pub(crate) fn stream_stub(transport: Transport, credentials: Credentials) -> StreamStub {
+    IdempotencyStreamServiceClient::with_interceptor(transport, credentials)
 }
 
 /// A request carrying its deadline, so the server gives up when the caller

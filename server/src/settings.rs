@@ -356,8 +356,9 @@ pub struct StreamArgs {
     pub stream_idle_timeout: Duration,
     /// A stream ends (status OK, after answering what it read) at this age,
     /// give or take a tenth at random, so that long-lived streams spread
-    /// over new replicas. Each stream keeps its connection open, so a
-    /// connection lives up to --max-connection-age plus this.
+    /// over new replicas; and by --max-connection-age, counted from the
+    /// connection's TLS handshake (over plain text, from the stream's
+    /// opening), so that a client certificate is proven again in time.
     #[arg(long, env = "IDEMPOTENCY_STREAM_MAX_AGE", default_value = "30m", value_parser = positive_duration)]
     pub stream_max_age: Duration,
 }
@@ -558,6 +559,7 @@ impl Settings {
             max_in_flight: streams.stream_max_in_flight as usize,
             idle_timeout: streams.stream_idle_timeout,
             max_age: streams.stream_max_age,
+            max_connection_age: self.security.max_connection_age,
             write_timeout: self.request_timeout,
             drain_grace: self.drain_timeout / 2,
         }

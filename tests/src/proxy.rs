@@ -97,8 +97,14 @@ impl TcpProxy {
             let _ = acceptor.await;
             *self.held.lock().await = Some(self.bind());
         }
-        for connection in self.connections.lock().await.drain(..) {
+        // Awaited, so that no byte is forwarded once this returns: a task
+        // aborted but not yet stopped would still carry what a client
+        // writes right after the cut (a message on an open stream goes out
+        // at once) to the server.
+        let connections: Vec<_> = self.connections.lock().await.drain(..).collect();
+        for connection in connections {
             connection.abort();
+            let _ = connection.await;
         }
     }
 

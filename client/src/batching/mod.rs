@@ -9,7 +9,8 @@
 //! `max_in_flight` requests of its kind are on the wire, the dispatcher lets
 //! the scheduler run once (so calls that are ready to run, typically those
 //! woken by the same reply, join it) and sends what has queued, alone as the
-//! unary RPC if nothing joined. A lightly loaded caller pays one scheduler
+//! unary RPC if nothing joined (or as a batch of one on the client's
+//! `BatchStream`, [`stream`], where it has one). A lightly loaded caller pays one scheduler
 //! turn, microseconds. Calls made while `max_in_flight` are on the wire queue
 //! up; when one finishes, the dispatcher sends everything queued (up to
 //! `max_items` and `max_bytes`) as one batch. Under load this turns many small
@@ -50,6 +51,7 @@ use crate::{
     trace::TraceContext,
     transport::{Stub, with_timeout},
 };
+use stream::{Sent, Streams};
 
 /// How concurrent calls of one [`Client`](crate::Client) are batched.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,6 +66,10 @@ pub struct Batching {
     /// server's message limit (4 MiB, or twice `--max-response-bytes`):
     /// a batch over it is refused as a whole and its calls resent alone.
     pub max_bytes: usize,
+    /// Send batches, and lone calls, as messages of one `BatchStream` per
+    /// client instead of an RPC each, where the server has it (else, and
+    /// with several endpoints, as RPCs). See [`stream`].
+    pub stream: bool,
 }
 
 impl Default for Batching {
@@ -72,6 +78,7 @@ impl Default for Batching {
             max_in_flight: 4,
             max_items: 64,
             max_bytes: 1024 * 1024,
+            stream: true,
         }
     }
 }
@@ -104,6 +111,12 @@ pub(crate) trait SendBatch: Clone + Send + Sync + 'static {
         timeout: Duration,
         trace: TraceContext,
     ) -> BoxFuture<Result<Vec<ItemResult<Self::Response>>, Status>>;
+
+    /// Whether a lone call goes as a batch of one too: over a stream, a
+    /// batch costs no more than the unary RPC.
+    fn lone_as_batch(&self) -> bool {
+        false
+    }
 }
 
 /// What a queued call hears back.
@@ -175,6 +188,7 @@ impl<S: SendBatch> Batcher<S> {
             max_in_flight: settings.max_in_flight.max(1),
             max_items: settings.max_items.max(1),
             max_bytes: settings.max_bytes.max(1),
+            stream: settings.stream,
         };
         Self {
             learned: Arc::new(Learned {
@@ -336,7 +350,8 @@ impl<S: SendBatch> Dispatcher<S> {
     }
 }
 
-/// Sends `batch` (alone as the unary RPC when it holds one call) and answers
+/// Sends `batch` (alone as the unary RPC when it holds one call and there is
+/// no stream to send it on) and answers
 /// each of its callers; `permit` is given back when done.
 async fn send<S: SendBatch>(
     sender: S,
@@ -349,6 +364,9 @@ async fn send<S: SendBatch>(
         && !learned.unsupported()
         && let Some(job) = batch.pop()
     {
+        if sender.lone_as_batch() {
+            return send_one_as_batch(&sender, &learned, job, timeout).await;
+        }
         return send_one(&sender, job, timeout).await;
     }
     let trace = batch[0].trace;
@@ -391,6 +409,30 @@ async fn send_one<S: SendBatch>(sender: &S, job: Job<S>, timeout: Duration) {
     tokio::select! {
         result = sender.unary(request, timeout, trace) => {
             let _ = reply.send(Reply::Answer(result));
+        }
+        () = reply.closed() => {}
+    }
+}
+
+/// Sends a call alone as a batch of one (on a stream, where that costs no
+/// more than its unary RPC). If its caller goes away, the permit goes on to
+/// the calls queued behind it, as [`send_one`]'s does; the server, which got
+/// the message, still runs it, as it runs a batch's items whose callers left.
+async fn send_one_as_batch<S: SendBatch>(
+    sender: &S,
+    learned: &Learned,
+    job: Job<S>,
+    timeout: Duration,
+) {
+    let Job {
+        request,
+        mut reply,
+        trace,
+        ..
+    } = job;
+    tokio::select! {
+        result = sender.batch(vec![request], timeout, trace) => {
+            answer(learned, vec![reply], 1, result);
         }
         () = reply.closed() => {}
     }
@@ -489,31 +531,43 @@ fn item_results<T>(
 }
 
 /// The gRPC stub as the sender of one kind of call, `R` being its unary
-/// request: [`SendBatch`] is implemented for Acquire and Complete.
+/// request: [`SendBatch`] is implemented for Acquire and Complete. Batches
+/// go on the client's stream when it has one.
 pub(crate) struct Grpc<R> {
     stub: Stub,
+    streams: Option<Arc<Streams>>,
     kind: PhantomData<fn() -> R>,
 }
 
 impl<R> Grpc<R> {
     pub(crate) fn new(stub: Stub) -> Self {
+        Self::with_streams(stub, None)
+    }
+
+    pub(crate) fn with_streams(stub: Stub, streams: Option<Arc<Streams>>) -> Self {
         Self {
             stub,
+            streams,
             kind: PhantomData,
         }
+    }
+
+    /// The streams, while the server may have them.
+    fn usable_streams(&self) -> Option<Arc<Streams>> {
+        self.streams.clone().filter(|streams| streams.usable())
     }
 }
 
 impl<R> Clone for Grpc<R> {
     fn clone(&self) -> Self {
-        Self::new(self.stub.clone())
+        Self::with_streams(self.stub.clone(), self.streams.clone())
     }
 }
 
 /// `SendBatch` for a unary RPC and its batch form: the two differ only in
 /// the names the proto gives them.
 macro_rules! batch_rpc {
-    ($request:ident => $response:ident, $unary:ident, $batch:ident($batch_request:ident), $result:ident) => {
+    ($request:ident => $response:ident, $unary:ident, $batch:ident($batch_request:ident), $result:ident, $kind:ident) => {
         impl SendBatch for Grpc<pb::$request> {
             type Request = pb::$request;
             type Response = pb::$response;
@@ -539,15 +593,39 @@ macro_rules! batch_rpc {
                 trace: TraceContext,
             ) -> BoxFuture<Result<Vec<ItemResult<Self::Response>>, Status>> {
                 let mut stub = self.stub.clone();
+                let streams = self.usable_streams();
                 Box::pin(async move {
-                    let response = stub
-                        .$batch(with_timeout(
-                            pb::$batch_request { requests },
-                            timeout,
-                            &trace,
-                        ))
-                        .await?
-                        .into_inner();
+                    let batch = pb::$batch_request { requests };
+                    let sent = match &streams {
+                        Some(streams) => {
+                            let message = pb::batch_stream_request::Batch::$kind(batch.clone());
+                            streams.send(message, timeout, trace).await
+                        }
+                        None => Sent::Unary,
+                    };
+                    use pb::batch_stream_response::Result as Answer;
+                    let response = match sent {
+                        Sent::Answer(Answer::$kind(response)) => response,
+                        Sent::Answer(Answer::Error(status)) => return Err(item_status(status)),
+                        Sent::Answer(_) => {
+                            return Err(Status::internal("a batch was answered as another kind"));
+                        }
+                        Sent::Failed(status) => return Err(status),
+                        // No stream after all: a lone call goes as its
+                        // unary RPC, as it would have without streams.
+                        Sent::Unary if batch.requests.len() == 1 => {
+                            let request = batch.requests.into_iter().next().expect("one");
+                            let result = stub
+                                .$unary(with_timeout(request, timeout, &trace))
+                                .await
+                                .map(tonic::Response::into_inner);
+                            return Ok(vec![result]);
+                        }
+                        Sent::Unary => stub
+                            .$batch(with_timeout(batch, timeout, &trace))
+                            .await?
+                            .into_inner(),
+                    };
                     use pb::$result::Result as Item;
                     Ok(item_results(response.results.into_iter().map(|result| {
                         result.result.map(|item| match item {
@@ -557,12 +635,17 @@ macro_rules! batch_rpc {
                     })))
                 })
             }
+
+            fn lone_as_batch(&self) -> bool {
+                self.usable_streams().is_some()
+            }
         }
     };
 }
 
-batch_rpc!(AcquireRequest => AcquireResponse, acquire, batch_acquire(BatchAcquireRequest), batch_acquire_result);
-batch_rpc!(CompleteRequest => CompleteResponse, complete, batch_complete(BatchCompleteRequest), batch_complete_result);
+batch_rpc!(AcquireRequest => AcquireResponse, acquire, batch_acquire(BatchAcquireRequest), batch_acquire_result, Acquire);
+batch_rpc!(CompleteRequest => CompleteResponse, complete, batch_complete(BatchCompleteRequest), batch_complete_result, Complete);
 
+pub(crate) mod stream;
 #[cfg(test)]
 mod tests;

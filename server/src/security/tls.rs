@@ -75,6 +75,10 @@ pub struct TlsConnectInfo {
     pub remote_addr: Option<SocketAddr>,
     /// `None`: no client certificate, or mTLS is off.
     pub peer: Option<PeerIdentity>,
+    /// When the handshake finished: a BatchStream ends by the connection's
+    /// --max-connection-age, so that the peer's identity is proven again
+    /// on the next connection by then.
+    pub handshaken: std::time::Instant,
 }
 
 /// One version of the TLS files, ready to serve.
@@ -380,6 +384,7 @@ pub fn incoming(listener: TcpListener, tls: Arc<Watched<TlsState>>, gate: Gate) 
                 let info = TlsConnectInfo {
                     remote_addr: Some(remote_addr),
                     peer,
+                    handshaken: std::time::Instant::now(),
                 };
                 let connection = admission.connection(TlsConnection { stream, info });
                 let _ = sender.send(connection).await;

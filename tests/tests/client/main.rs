@@ -7,6 +7,7 @@ mod grpc_layer;
 mod http_layer;
 mod hyper_layer;
 mod run;
+mod stream;
 mod support;
 mod trace;
 mod typed;

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use idempotency_client::{
-    Acquisition, Client, StoredResponse,
+    Acquisition, Batching, Client, ClientOptions, StoredResponse,
     http::HttpConfig,
     pb::{self, idempotency_service_client::IdempotencyServiceClient},
     trace::{self, TraceContext},
@@ -76,7 +76,16 @@ fn assert_fresh_trace_id(line: &Value) {
 async fn the_trace_id_a_caller_sends_is_in_the_servers_line_for_the_call() {
     let db = TestDb::new().await;
     let mut server = server(&db).await;
-    let client = client_of(&server);
+    // Its calls as unary RPCs, whose lines carry their outcome (a batch's
+    // line leaves the outcome to its items; the layers' tests below follow
+    // the default, batches of one on the client's stream).
+    let client = client_of(&server).with_options(ClientOptions {
+        batching: Some(Batching {
+            stream: false,
+            ..Batching::default()
+        }),
+        ..ClientOptions::default()
+    });
 
     // The Rust client, in the context of an incoming request.
     let sent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
@@ -193,13 +202,24 @@ async fn the_http_layer_passes_the_requests_traceparent_on_to_the_server() {
         .await;
     assert_eq!(answer.status, 201, "{answer:?}");
 
-    let acquired = call_line(&mut server, "Acquire", "c0ffee0000000000000000000000c0de").await;
+    // The client's lone calls travel as batches of one on its BatchStream.
+    let acquired = call_line(
+        &mut server,
+        "BatchAcquire",
+        "c0ffee0000000000000000000000c0de",
+    )
+    .await;
     assert_eq!(
         acquired["span"]["parent_span_id"], "1234567890abcdef",
         "{acquired}"
     );
     assert_eq!(acquired["span"]["namespace"], "shop", "{acquired}");
-    call_line(&mut server, "Complete", "c0ffee0000000000000000000000c0de").await;
+    call_line(
+        &mut server,
+        "BatchComplete",
+        "c0ffee0000000000000000000000c0de",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -228,13 +248,23 @@ async fn the_grpc_layer_passes_the_calls_traceparent_on_to_the_server() {
         .insert("traceparent", sent.parse().unwrap());
     app.client().await.charge(request).await.unwrap();
 
-    let acquired = call_line(&mut server, "Acquire", "beef0000000000000000000000000bee").await;
+    let acquired = call_line(
+        &mut server,
+        "BatchAcquire",
+        "beef0000000000000000000000000bee",
+    )
+    .await;
     assert_eq!(
         acquired["span"]["parent_span_id"], "fedcba0987654321",
         "{acquired}"
     );
     assert_eq!(acquired["span"]["namespace"], "shop", "{acquired}");
-    call_line(&mut server, "Complete", "beef0000000000000000000000000bee").await;
+    call_line(
+        &mut server,
+        "BatchComplete",
+        "beef0000000000000000000000000bee",
+    )
+    .await;
 }
 
 /// A batch call's span names its items' namespace, or each of them,

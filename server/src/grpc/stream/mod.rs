@@ -41,7 +41,7 @@ use super::{
 use crate::{
     domain::Limits,
     metrics::{GRPC_STREAMS_ENDED_TOTAL, GRPC_STREAMS_REFUSED_TOTAL},
-    security::Auth,
+    security::{Auth, tls::TlsConnectInfo},
 };
 pub use slots::SlotLimits;
 
@@ -68,6 +68,10 @@ pub struct StreamSettings {
     pub idle_timeout: Duration,
     /// Before jitter of a tenth either way.
     pub max_age: Duration,
+    /// `--max-connection-age`: a stream ends by its connection's age too
+    /// (counted from the TLS handshake; over plain text, from the stream's
+    /// opening), so that a client certificate is proven again by then.
+    pub max_connection_age: Duration,
     /// How long answers may wait unread before the stream ends (SLOW_READER).
     pub write_timeout: Duration,
     /// Once the server drains, how long the messages read have to be answered.
@@ -221,9 +225,14 @@ where
         Ok(slot) => slot,
         Err(refusal) => return refused(refusal.reason, refusal.status),
     };
+    let age = session::jittered(shared.settings.max_age).min(connection_left(
+        &parts.extensions,
+        shared.settings.max_connection_age,
+    ));
     let frames = frames::Frames::new(body, shared.max_message_bytes, shared.budget.clone());
     let template = message::Template::new(parts.headers, parts.extensions);
-    let (session, answers) = session::Session::new(inner, template, frames, shared.clone(), slot);
+    let (session, answers) =
+        session::Session::new(inner, template, frames, shared.clone(), slot, age);
     tokio::spawn(session.run());
     let mut response = http::Response::new(Body::new(answers));
     response.headers_mut().insert(
@@ -231,6 +240,16 @@ where
         http::HeaderValue::from_static("application/grpc"),
     );
     response
+}
+
+/// What is left of the connection's life: from its TLS handshake, or the
+/// whole of it over plain text, where no identity is proven at connection.
+fn connection_left(extensions: &http::Extensions, max_connection_age: Duration) -> Duration {
+    extensions
+        .get::<TlsConnectInfo>()
+        .map_or(max_connection_age, |tls| {
+            max_connection_age.saturating_sub(tls.handshaken.elapsed())
+        })
 }
 
 fn is_grpc(headers: &http::HeaderMap) -> bool {

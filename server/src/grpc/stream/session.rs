@@ -133,6 +133,8 @@ pub(super) struct Session<S> {
     frames: Frames,
     answers: mpsc::Sender<Item>,
     queue: Weak<Queue>,
+    /// When it ends (`End::MaxAge`), counted from its opening.
+    age: Duration,
     unread: Arc<Unread>,
     shared: Arc<Shared>,
     _slot: Slot,
@@ -154,6 +156,7 @@ where
         frames: Frames,
         shared: Arc<Shared>,
         slot: Slot,
+        age: Duration,
     ) -> (Self, Answers) {
         // Room for every answer the permits allow, and the end.
         let (sender, receiver) = mpsc::channel(shared.settings.max_in_flight + 1);
@@ -165,6 +168,7 @@ where
             frames,
             answers: sender,
             queue: Arc::downgrade(&queue),
+            age,
             unread: unread.clone(),
             shared,
             _slot: slot,
@@ -183,7 +187,7 @@ where
         let mut in_flight: FuturesUnordered<Serving> = FuturesUnordered::new();
         let drained = drained(self.shared.draining.clone());
         tokio::pin!(drained);
-        let age_at = Instant::now() + jittered(settings.max_age);
+        let age_at = Instant::now() + self.age;
         let mut idle_since = Instant::now();
         let mut drain_by: Option<Instant> = None;
         // Set: read no more, and end once what was read is answered.
@@ -313,7 +317,7 @@ async fn sleep_until(at: Option<Instant>) {
 
 /// `age`, give or take a tenth at random, so that streams opened together
 /// do not all end together.
-fn jittered(age: Duration) -> Duration {
+pub(super) fn jittered(age: Duration) -> Duration {
     age.mul_f64(0.9 + 0.2 * fastrand::f64())
 }
 
