@@ -135,6 +135,9 @@ struct Inner {
     /// The stream stub on the same transport and credentials; `None` with
     /// several endpoints, whose balancer spreads calls, not streams.
     stream_stub: Option<(StreamStub, Credentials)>,
+    /// The client's streams, shared with the clients `with_options` makes
+    /// of it (one stream per connection, not one per options).
+    streams: Option<Arc<Streams>>,
     options: ClientOptions,
     acquires: Option<Batcher<Grpc<pb::AcquireRequest>>>,
     completes: Option<Batcher<Grpc<pb::CompleteRequest>>>,
@@ -144,21 +147,25 @@ impl Inner {
     fn new(
         channel_stub: Stub,
         stream_stub: Option<(StreamStub, Credentials)>,
+        shared: Option<Arc<Streams>>,
         options: ClientOptions,
     ) -> Self {
         // Batch replies carry up to 100 stored responses: no 4 MiB cap.
         let stub = channel_stub.max_decoding_message_size(usize::MAX);
         let batching = options.batching.as_ref();
         // One stream set, shared by both kinds of call.
-        let streams = batching
-            .filter(|batching| batching.stream)
-            .and(stream_stub.clone())
-            .map(|(stub, credentials)| Arc::new(Streams::new(stub, credentials)));
+        let streams = stream_stub.as_ref().map(|(stub, credentials)| {
+            shared.unwrap_or_else(|| Arc::new(Streams::new(stub.clone(), credentials.clone())))
+        });
+        let used = streams
+            .clone()
+            .filter(|_| batching.is_some_and(|b| b.stream));
         Self {
-            acquires: batching.map(|b| batcher(&stub, &streams, b, options.timeout)),
-            completes: batching.map(|b| batcher(&stub, &streams, b, options.timeout)),
+            acquires: batching.map(|b| batcher(&stub, &used, b, options.timeout)),
+            completes: batching.map(|b| batcher(&stub, &used, b, options.timeout)),
             stub,
             stream_stub,
+            streams,
             options,
         }
     }
@@ -207,6 +214,7 @@ impl Client {
             inner: Arc::new(Inner::new(
                 crate::transport::stub(transport, credentials),
                 stream_stub,
+                None,
                 options,
             )),
         }
@@ -219,6 +227,7 @@ impl Client {
             inner: Arc::new(Inner::new(
                 inner.stub.clone(),
                 inner.stream_stub.clone(),
+                inner.streams.clone(),
                 options,
             )),
         }

@@ -30,7 +30,10 @@ use std::{
     time::Duration,
 };
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::{
+    sync::{mpsc, oneshot},
+    time::Instant,
+};
 use tonic::codegen::tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Code, Status, metadata::AsciiMetadataValue, service::interceptor::InterceptedService};
 
@@ -56,6 +59,14 @@ const ATTEMPTS: usize = 3;
 /// it is given up as lost (the server answers by the deadline).
 const ANSWER_MARGIN: Duration = Duration::from_secs(1);
 
+/// Longest wait for a stream to open (the server answers at once, without
+/// the database); past it, and after a refusal, batches go as RPCs for
+/// [`AVOID_FOR`].
+const OPEN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long batches go as RPCs after a stream could not be opened.
+const AVOID_FOR: Duration = Duration::from_secs(1);
+
 /// What sending a batch on a stream came to.
 pub(crate) enum Sent {
     /// The server's answer: the batch's reply or its error as a whole.
@@ -75,6 +86,8 @@ pub(crate) struct Streams {
     credentials: Credentials,
     /// The server has no `BatchStream`: never try again.
     unsupported: AtomicBool,
+    /// A stream could not be opened lately: RPCs until then.
+    avoid_until: Mutex<Option<Instant>>,
     next_id: AtomicU64,
     /// The stream messages go on; opened on first use, and again after it
     /// ended. Held while a stream opens, so that callers share one.
@@ -87,6 +100,7 @@ impl Streams {
             stub,
             credentials,
             unsupported: AtomicBool::new(false),
+            avoid_until: Mutex::new(None),
             next_id: AtomicU64::new(0),
             open: tokio::sync::Mutex::new(None),
         }
@@ -96,38 +110,60 @@ impl Streams {
     /// has no such method).
     pub(crate) fn usable(&self) -> bool {
         !self.unsupported.load(Ordering::Relaxed)
+            && self
+                .avoid_until
+                .lock()
+                .expect("no panics while held")
+                .is_none_or(|until| Instant::now() >= until)
+    }
+
+    /// RPCs for a while: a stream could not be opened.
+    fn avoid(&self) -> Sent {
+        *self.avoid_until.lock().expect("no panics while held") = Some(Instant::now() + AVOID_FOR);
+        Sent::Unary
     }
 
     /// Sends `batch` as a message with `timeout` as its deadline, in `trace`,
     /// and waits for its answer.
     pub(crate) async fn send(&self, batch: Batch, timeout: Duration, trace: TraceContext) -> Sent {
+        // One deadline for every attempt, so that a resent message asks the
+        // server for no more time than its caller has left.
+        let deadline = Instant::now() + timeout;
         for _ in 0..ATTEMPTS {
-            let open = match tokio::time::timeout(timeout, self.stream()).await {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Sent::Failed(Status::deadline_exceeded(
+                    "the call's deadline passed before its batch was answered",
+                ));
+            }
+            let open = match tokio::time::timeout(left.min(OPEN_TIMEOUT), self.stream()).await {
                 Ok(Ok(open)) => open,
                 Ok(Err(sent)) => return sent,
-                Err(_) => {
-                    return Sent::Failed(Status::unavailable("no stream opened by the deadline"));
-                }
+                // Nothing was sent: the batch goes as an RPC.
+                Err(_) => return self.avoid(),
             };
+            let left = deadline.saturating_duration_since(Instant::now());
             let id = self.next_id.fetch_add(1, Ordering::Relaxed);
             let message = pb::BatchStreamRequest {
                 id,
-                timeout: prost_types::Duration::try_from(timeout).ok(),
+                timeout: prost_types::Duration::try_from(left.max(Duration::from_millis(1))).ok(),
                 traceparent: String::from_utf8_lossy(&trace.to_header()).into_owned(),
                 batch: Some(batch.clone()),
             };
             let Some(answer) = open.send(id, message) else {
                 continue; // It ended meanwhile; the message was never sent.
             };
-            match tokio::time::timeout(timeout + ANSWER_MARGIN, answer).await {
+            match tokio::time::timeout(left + ANSWER_MARGIN, answer).await {
                 Ok(Ok(Heard::Answer(result))) => return Sent::Answer(result),
                 // Ended cleanly before reading it: it never ran.
                 Ok(Ok(Heard::NotRead(None))) => continue,
                 Ok(Ok(Heard::NotRead(Some(refusal)))) => return Sent::Failed(refusal),
                 Ok(Ok(Heard::Lost(status))) => return Sent::Failed(status),
                 Ok(Err(_)) => return Sent::Failed(lost("its stream's reader went away")),
+                // A stream that stops answering is not used again.
                 Err(_) => {
                     open.forget(id);
+                    open.retire();
                     return Sent::Failed(lost("no answer by its deadline"));
                 }
             }
@@ -170,7 +206,7 @@ impl Streams {
                 self.unsupported.store(true, Ordering::Relaxed);
                 return Err(Sent::Unary);
             }
-            Err(status) if refuses_streams(&status) => return Err(Sent::Unary),
+            Err(status) if refuses_streams(&status) => return Err(self.avoid()),
             Err(status) => return Err(Sent::Failed(status)),
         };
         let open = Arc::new(Open {
@@ -180,6 +216,16 @@ impl Streams {
         });
         tokio::spawn(read(answers, open.clone()));
         Ok(open)
+    }
+}
+
+/// The last handle gone, the open stream is closed on our side: the server
+/// answers what it read and ends it, instead of holding it until idle.
+impl Drop for Streams {
+    fn drop(&mut self) {
+        if let Some(open) = self.open.get_mut().as_ref() {
+            open.retire();
+        }
     }
 }
 

@@ -545,6 +545,16 @@ async fn wait_for_metric(server: &TestServer, series: &str, value: f64) -> Strin
 
 #[tokio::test]
 async fn a_caller_that_leaves_answers_unread_loses_the_stream_and_what_they_held() {
+    leaves_answers_unread(false).await;
+}
+
+/// Its side closed, the session has ended; its answers are still bounded.
+#[tokio::test]
+async fn a_caller_that_closes_and_never_reads_loses_what_its_answers_held() {
+    leaves_answers_unread(true).await;
+}
+
+async fn leaves_answers_unread(close: bool) {
     let app = spawn_app_with(|settings| {
         settings.request_timeout = Duration::from_secs(1);
         settings.streams.stream_max_in_flight = 2;
@@ -561,9 +571,12 @@ async fn a_caller_that_leaves_answers_unread_loses_the_stream_and_what_they_held
             .await
             .unwrap();
     }
-    let stream = open(&app.server).await;
+    let mut stream = open(&app.server).await;
     for (n, id) in ids.iter().enumerate() {
         stream.acquire(n as u64, vec![acquire_item(id, b"fp")]);
+    }
+    if close {
+        stream.close();
     }
     // Nothing is read here: the server ends the stream after the answers
     // waited a second unread, and lets go of them.

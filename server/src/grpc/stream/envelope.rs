@@ -86,14 +86,24 @@ pub(super) struct Content {
     pub traceparent: String,
 }
 
+/// Longest `traceparent` passed on (room for a future version's fields).
+const MAX_TRACEPARENT_BYTES: usize = 256;
+
 /// Reads a message; `Err` when it is not valid protobuf.
 pub(super) fn read(message: Bytes) -> Result<Request, prost::DecodeError> {
     let envelope = Envelope::decode(message)?;
+    // A valid traceparent is 55 characters: a longer one is ignored (a
+    // trace of its own), so that no header of a message's call is larger
+    // than a unary call's could be.
+    let mut traceparent = envelope.traceparent;
+    if traceparent.len() > MAX_TRACEPARENT_BYTES {
+        traceparent = String::new();
+    }
     let content = content(envelope.batch, envelope.timeout).map(|(kind, batch, timeout)| Content {
         kind,
         batch,
         timeout,
-        traceparent: envelope.traceparent,
+        traceparent,
     });
     Ok(Request {
         id: envelope.id,

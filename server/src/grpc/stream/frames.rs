@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use bytes::{Buf, Bytes, BytesMut};
 use http_body_util::BodyExt as _;
+use tokio::time::Instant;
 use tonic::{Code, Status, body::Body};
 
 use super::super::{
@@ -25,8 +26,9 @@ pub(super) fn invalid(message: String) -> Status {
 pub(super) struct Frames {
     body: Body,
     buffer: BytesMut,
-    /// The message being read: its length and the charge taken for it.
-    pending: Option<(usize, Charge)>,
+    /// The message being read: its length, the charge taken for it, and
+    /// when its prefix arrived.
+    pending: Option<(usize, Charge, Instant)>,
     max_bytes: usize,
     budget: Arc<MemoryBudget>,
 }
@@ -49,10 +51,10 @@ impl Frames {
             if self.pending.is_none() && self.buffer.len() >= PREFIX_BYTES {
                 self.pending = Some(self.admit()?);
             }
-            if let Some((length, _)) = &self.pending
+            if let Some((length, _, _)) = &self.pending
                 && self.buffer.len() >= PREFIX_BYTES + *length
             {
-                let (length, charge) = self.pending.take().expect("checked above");
+                let (length, charge, _) = self.pending.take().expect("checked above");
                 self.buffer.advance(PREFIX_BYTES);
                 let message = self.buffer.split_to(length).freeze();
                 return Ok(Some((message, charge)));
@@ -75,8 +77,14 @@ impl Frames {
         }
     }
 
+    /// When the message being read started arriving, if one is: its charge
+    /// is held until it is all here, so its sender gets a bounded time.
+    pub(super) fn started_at(&self) -> Option<Instant> {
+        self.pending.as_ref().map(|(_, _, at)| *at)
+    }
+
     /// Checks the prefix at the buffer's start and charges the message.
-    fn admit(&self) -> Result<(usize, Charge), End> {
+    fn admit(&self) -> Result<(usize, Charge, Instant), End> {
         let compressed = self.buffer[0];
         let length = u32::from_be_bytes(self.buffer[1..5].try_into().expect("four bytes")) as usize;
         if compressed != 0 {
@@ -103,6 +111,6 @@ impl Frames {
                 reason::OVERLOADED,
             ))
         })?;
-        Ok((length, charge))
+        Ok((length, charge, Instant::now()))
     }
 }

@@ -56,6 +56,11 @@ const REFUSALS: [&str; 4] = [
 /// The stream's path.
 pub const PATH: &str = "/idempotency.v1.IdempotencyStreamService/BatchStream";
 
+/// The least a stream lives, even on a connection at its age: one that
+/// ended before reading a message would only send its caller to open
+/// another.
+const MIN_AGE: Duration = Duration::from_secs(1);
+
 /// A stream message's envelope beyond its batch (id, deadline, trace context).
 const ENVELOPE_BYTES: usize = 1024;
 
@@ -225,10 +230,12 @@ where
         Ok(slot) => slot,
         Err(refusal) => return refused(refusal.reason, refusal.status),
     };
-    let age = session::jittered(shared.settings.max_age).min(connection_left(
-        &parts.extensions,
-        shared.settings.max_connection_age,
-    ));
+    let age = session::jittered(shared.settings.max_age)
+        .min(connection_left(
+            &parts.extensions,
+            shared.settings.max_connection_age,
+        ))
+        .max(MIN_AGE);
     let frames = frames::Frames::new(body, shared.max_message_bytes, shared.budget.clone());
     let template = message::Template::new(parts.headers, parts.extensions);
     let (session, answers) =
@@ -337,7 +344,10 @@ impl End {
     fn status(self, settings: &StreamSettings) -> Status {
         ::metrics::counter!(GRPC_STREAMS_ENDED_TOTAL, "reason" => self.label()).increment(1);
         match self {
-            Self::Closed | Self::Cancelled => Status::ok(""),
+            Self::Closed => Status::ok(""),
+            // Nobody reads it; never OK, which would say what was not
+            // answered did not run.
+            Self::Cancelled => Status::cancelled("the caller went away"),
             Self::Idle => Status::ok("the stream was idle; open another when needed"),
             Self::MaxAge => Status::ok("the stream reached its age; open another"),
             Self::Draining => Status::ok("the server is draining; open another stream"),

@@ -26,7 +26,7 @@ use futures_util::{
 use http_body::Frame;
 use metrics::Gauge;
 use tokio::{
-    sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch},
+    sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch},
     time::{Duration, Instant},
 };
 use tonic::{Code, Status, body::Body};
@@ -85,6 +85,8 @@ struct Unread {
     queued: AtomicUsize,
     touched_millis: AtomicU64,
     origin: Instant,
+    /// Told each time the body takes an answer.
+    taken: Notify,
 }
 
 impl Unread {
@@ -93,6 +95,7 @@ impl Unread {
             queued: AtomicUsize::new(0),
             touched_millis: AtomicU64::new(0),
             origin: Instant::now(),
+            taken: Notify::new(),
         })
     }
 
@@ -110,6 +113,14 @@ impl Unread {
     fn taken(&self) {
         self.queued.fetch_sub(1, Ordering::AcqRel);
         self.touch();
+        self.taken.notify_one();
+    }
+
+    /// Whether the answers waiting are past `write_timeout` now (false when
+    /// none waits).
+    fn overdue(&self, write_timeout: Duration) -> bool {
+        self.overdue_at(write_timeout)
+            .is_some_and(|at| at <= Instant::now())
     }
 
     /// When answers waiting since the last progress become overdue; `None`
@@ -214,11 +225,18 @@ where
                     idle_since = Instant::now();
                 }
                 () = sleep_until(overdue_at), if overdue_at.is_some() => {
-                    if self.unread.overdue_at(settings.write_timeout) <= Some(Instant::now()) {
+                    if self.unread.overdue(settings.write_timeout) {
                         break End::SlowReader;
                     }
                 }
                 () = sleep_until(drain_by), if drain_by.is_some() => break End::DrainTimeout,
+                () = sleep_until(self.frames.started_at().map(|at| at + settings.write_timeout)),
+                    if reading && self.frames.started_at().is_some() => {
+                    ending = Some(End::BadMessage(invalid(format!(
+                        "a message was not sent in full within {}",
+                        humantime::format_duration(settings.write_timeout)
+                    ))));
+                }
                 () = &mut drained, if drain_by.is_none() => {
                     drain_by = Some(Instant::now() + settings.drain_grace);
                     ending.get_or_insert(End::Draining);
@@ -240,6 +258,14 @@ where
                     Err(end) => break end,
                 },
             }
+        };
+        let end = match end {
+            End::SlowReader | End::Cancelled | End::DrainTimeout => end,
+            // What was answered must still be written: a caller that stops
+            // reading now is as slow a reader as one that stopped before.
+            end => written_or_overdue(&self.answers, &self.unread, settings.write_timeout)
+                .await
+                .unwrap_or(end),
         };
         tracing::debug!(reason = end.label(), "BatchStream ended");
         if matches!(end, End::SlowReader) {
@@ -283,6 +309,30 @@ where
             }
         })
     }
+}
+
+/// Waits until every queued answer was taken for writing (`None`), or one
+/// waited `write_timeout` untaken (`SlowReader`), or the caller went away
+/// (`Cancelled`).
+async fn written_or_overdue(
+    answers: &mpsc::Sender<Item>,
+    unread: &Unread,
+    write_timeout: Duration,
+) -> Option<End> {
+    while let Some(overdue_at) = unread.overdue_at(write_timeout) {
+        tokio::select! {
+            () = answers.closed() => return Some(End::Cancelled),
+            // An answer taken: look again (a permit stored by `notify_one`
+            // covers one taken between the check above and this wait).
+            () = unread.taken.notified() => {}
+            () = tokio::time::sleep_until(overdue_at) => {
+                if unread.overdue(write_timeout) {
+                    return Some(End::SlowReader);
+                }
+            }
+        }
+    }
+    None
 }
 
 /// The next message once a slot for it is free.
@@ -407,5 +457,10 @@ mod tests {
         );
         unread.taken();
         assert_eq!(unread.overdue_at(timeout), None);
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert!(
+            !unread.overdue(timeout),
+            "nothing waits, nothing is overdue"
+        );
     }
 }
