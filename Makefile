@@ -41,6 +41,13 @@ bench-floor:
 bench-stream:
 	scripts/bench-stream.sh
 
+# The client library's batches on its BatchStream against the same as batch
+# RPCs, with pgbench beside them, at 1, 16 and 64 callers (about 8 minutes
+# after the build; STREAM_CALLERS, STREAM_ROUNDS, BENCH_SECONDS tune it).
+.PHONY: bench-client-stream
+bench-client-stream:
+	scripts/bench-client-stream.sh
+
 # Cost as the table grows: new-key pairs with 0, 10 and 30 million live rows
 # preloaded, and bytes per key on disk (about 25 GB of disk and an hour; not in
 # CI). SCALE_ROWS, BENCH_SECONDS, BENCH_REPEATS tune it (see the script).

@@ -1,5 +1,5 @@
 # Sourced by the bench scripts that start servers of their own beside a
-# throwaway Postgres (bench-floor.sh, bench-stream.sh). They define `say` and
+# throwaway Postgres (bench-floor.sh, bench-stream.sh, bench-client-stream.sh). They define `say` and
 # `work` (the directory of their servers' *.log) before calling wait_port.
 
 free_ports() { # N free ports outside the kernel's ephemeral range, so that no outgoing
