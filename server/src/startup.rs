@@ -46,7 +46,7 @@ use crate::{
         metrics::CallSeries,
         pb,
         service::IdempotencyServiceServer,
-        stream::StreamLayer,
+        stream::{Calls, StreamLayer},
         trace::TraceLayer,
     },
     health, maintenance,
@@ -365,7 +365,7 @@ fn api(
     pool: PgPool,
     recorder: &MetricsRecorder,
     security: &Security,
-) -> (IdempotencyServiceServer<GrpcService>, CallSeries) {
+) -> (GrpcService, CallSeries) {
     let store = match settings.batch_settings() {
         Some(batching) => Store::with_batching(pool, batching),
         None => Store::new(pool),
@@ -379,16 +379,14 @@ fn api(
         recorder,
     );
     let authorizer = Authorizer::new(security.auth.clone());
-    let api = IdempotencyServiceServer::new(GrpcService::new(engine, series.clone(), authorizer))
-        .max_decoding_message_size(settings.limits().max_message_bytes());
-    (api, series)
+    (GrpcService::new(engine, series.clone(), authorizer), series)
 }
 
 /// The gRPC port: its connection limits, then for each call who calls, its
 /// deadline and its admission, in front of health, reflection and the API.
 fn grpc_server(
     settings: &Settings,
-    (api, series): (IdempotencyServiceServer<GrpcService>, CallSeries),
+    (service, series): (GrpcService, CallSeries),
     security: &Security,
     recorder: &MetricsRecorder,
     listener: TcpListener,
@@ -408,16 +406,29 @@ fn grpc_server(
         .transpose()?
         .map(|service| service.max_decoding_message_size(small));
     let budget = MemoryBudget::new(settings.max_in_flight_bytes, recorder);
+    let admission = AdmissionLayer::new(settings.limits(), budget.clone(), series);
+    let connections = settings.connections.settings();
+    let call_limit = connections.call_limit();
+    // A stream's messages are served by the same limit, auth, admission and
+    // handlers as the unary calls below.
+    let calls = Calls {
+        limit: call_limit.clone(),
+        admission: admission.clone(),
+        auth: security.auth.clone(),
+        service: service.clone(),
+        request_timeout: settings.request_timeout,
+        log_calls: settings.log_calls,
+    };
     let (streams, drain) = StreamLayer::new(
         settings.stream_settings(),
         &settings.limits(),
-        budget.clone(),
-        security.auth.clone(),
+        budget,
+        calls,
     );
-    let admission = AdmissionLayer::new(settings.limits(), budget, series);
-    let connections = settings.connections.settings();
+    let api = IdempotencyServiceServer::new(service)
+        .max_decoding_message_size(settings.limits().max_message_bytes());
     let router = connections
-        .server(streams)
+        .server(streams, call_limit)
         .max_connection_age(settings.security.max_connection_age)
         // Outermost first: the call's span (so that whatever is logged
         // about the call carries its trace id, refusals included), who calls

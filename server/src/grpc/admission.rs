@@ -112,7 +112,7 @@ pub(super) struct Charge {
 impl Charge {
     /// Adds bytes already spent (a reply being sent): charged even past the
     /// limit, so that the calls after it are refused until it is sent.
-    fn add(&mut self, bytes: usize) {
+    pub(super) fn add(&mut self, bytes: usize) {
         self.budget.used.fetch_add(bytes, Ordering::AcqRel);
         self.bytes += bytes;
         self.budget.publish();
@@ -281,6 +281,24 @@ impl AdmissionLayer {
     }
 }
 
+impl AdmissionLayer {
+    /// Admits a whole, uncompressed message of the call to `path` (a
+    /// BatchStream message's batch), as a unary call's is admitted: its
+    /// charge, held until its answer is written, or the call's answer.
+    pub(super) fn admit_message(&self, path: &str, message: &[u8]) -> Result<Charge, Status> {
+        let method = Method::of(path).expect("a method of the service");
+        let rules = &self.rules;
+        charged(method, rules, message.len())
+            .and_then(|charge| {
+                count(method, &method.counted(&rules.limits), message).map(|()| charge)
+            })
+            .inspect_err(|status| {
+                CallMetrics::start(method.rpc(), &rules.series)
+                    .finish(&Err::<(), _>(status.clone()))
+            })
+    }
+}
+
 impl<S> tower::Layer<S> for AdmissionLayer {
     type Service = Admitted<S>;
 
@@ -363,6 +381,20 @@ async fn admit(method: Method, rules: &Rules, mut body: Body) -> Result<(Body, C
             .ok_or_else(overloaded)?;
         return Ok((read.replay(body), charge));
     };
+    let charge = charged(method, rules, length)?;
+    let counted = method.counted(&rules.limits);
+    if !counted.is_empty() && read.compression_flag() == Some(0) {
+        read.reserve(PREFIX_BYTES + length);
+        read.until(&mut body, PREFIX_BYTES + length).await?;
+        if let Some(message) = read.message(length) {
+            count(method, &counted, message)?;
+        }
+    }
+    Ok((read.replay(body), charge))
+}
+
+/// A message of `length` bytes within its method's limit, charged to the budget.
+fn charged(method: Method, rules: &Rules, length: usize) -> Result<Charge, Status> {
     let max = method.max_bytes(&rules.limits);
     if length > max {
         refused("message_too_large");
@@ -375,24 +407,21 @@ async fn admit(method: Method, rules: &Rules, mut body: Body) -> Result<(Body, C
             reason::MESSAGE_TOO_LARGE,
         ));
     }
-    let charge = rules
+    rules
         .budget
         .try_charge(PER_CALL_BYTES + 2 * length)
-        .ok_or_else(overloaded)?;
-    let counted = method.counted(&rules.limits);
-    if !counted.is_empty() && read.compression_flag() == Some(0) {
-        read.reserve(PREFIX_BYTES + length);
-        read.until(&mut body, PREFIX_BYTES + length).await?;
-        if let Some(message) = read.message(length) {
-            for count in &counted {
-                if let Err(invalid) = count.check(message) {
-                    refused(count.reason());
-                    return Err(to_status(method.rpc(), invalid.into()));
-                }
-            }
+        .ok_or_else(overloaded)
+}
+
+/// Checks `message`'s item and header counts.
+fn count(method: Method, counted: &[Counted], message: &[u8]) -> Result<(), Status> {
+    for count in counted {
+        if let Err(invalid) = count.check(message) {
+            refused(count.reason());
+            return Err(to_status(method.rpc(), invalid.into()));
         }
     }
-    Ok((read.replay(body), charge))
+    Ok(())
 }
 
 fn overloaded() -> Status {

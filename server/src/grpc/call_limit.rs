@@ -19,12 +19,13 @@ use std::{
 use futures_util::future::{BoxFuture, Either, Ready, ready};
 use metrics::Gauge;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tonic::Code;
+use tonic::{Code, Status};
 
 use super::status::{reason, with_reason};
 use crate::metrics::{GRPC_CALLS_IN_FLIGHT, GRPC_CALLS_REFUSED_TOTAL};
 
-/// Applies [`CallLimit`] with one set of permits shared by every connection.
+/// Applies [`CallLimit`] with one set of permits shared by every connection
+/// (and by BatchStream's messages, each a call: [`Self::enter`]).
 #[derive(Debug, Clone)]
 pub struct CallLimitLayer {
     permits: Arc<Semaphore>,
@@ -44,6 +45,26 @@ impl CallLimitLayer {
             in_flight,
         }
     }
+
+    /// A call's permit, or its answer when the cap is reached (counted).
+    pub(crate) fn enter(&self) -> Result<InFlight, Status> {
+        let Ok(permit) = self.permits.clone().try_acquire_owned() else {
+            metrics::counter!(GRPC_CALLS_REFUSED_TOTAL).increment(1);
+            return Err(with_reason(
+                Code::Unavailable,
+                format!(
+                    "the server has {} calls in flight, its limit; retry with backoff",
+                    self.max
+                ),
+                reason::OVERLOADED,
+            ));
+        };
+        self.in_flight.increment(1.0);
+        Ok(InFlight {
+            _permit: permit,
+            gauge: self.in_flight.clone(),
+        })
+    }
 }
 
 impl<S> tower::Layer<S> for CallLimitLayer {
@@ -52,9 +73,7 @@ impl<S> tower::Layer<S> for CallLimitLayer {
     fn layer(&self, inner: S) -> CallLimit<S> {
         CallLimit {
             inner,
-            permits: self.permits.clone(),
-            max: self.max,
-            in_flight: self.in_flight.clone(),
+            limit: self.clone(),
         }
     }
 }
@@ -63,9 +82,7 @@ impl<S> tower::Layer<S> for CallLimitLayer {
 #[derive(Debug, Clone)]
 pub struct CallLimit<S> {
     inner: S,
-    permits: Arc<Semaphore>,
-    max: usize,
-    in_flight: Gauge,
+    limit: CallLimitLayer,
 }
 
 impl<S, B> tower::Service<http::Request<B>> for CallLimit<S>
@@ -85,22 +102,9 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let Ok(permit) = self.permits.clone().try_acquire_owned() else {
-            metrics::counter!(GRPC_CALLS_REFUSED_TOTAL).increment(1);
-            let status = with_reason(
-                Code::Unavailable,
-                format!(
-                    "the server has {} calls in flight, its limit; retry with backoff",
-                    self.max
-                ),
-                reason::OVERLOADED,
-            );
-            return Either::Left(ready(Ok(status.into_http())));
-        };
-        self.in_flight.increment(1.0);
-        let in_flight = InFlight {
-            _permit: permit,
-            gauge: self.in_flight.clone(),
+        let in_flight = match self.limit.enter() {
+            Ok(in_flight) => in_flight,
+            Err(status) => return Either::Left(ready(Ok(status.into_http()))),
         };
         let call = self.inner.call(request);
         Either::Right(Box::pin(async move {
@@ -112,7 +116,7 @@ where
 }
 
 /// A call's permit, given back when its answer is ready or it is cancelled.
-struct InFlight {
+pub(crate) struct InFlight {
     _permit: OwnedSemaphorePermit,
     gauge: Gauge,
 }

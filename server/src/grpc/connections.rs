@@ -85,10 +85,19 @@ impl Default for ConnectionSettings {
 }
 
 impl ConnectionSettings {
+    /// The cap on calls in flight across the port (`max_concurrent_calls`).
+    pub fn call_limit(&self) -> CallLimitLayer {
+        CallLimitLayer::new(self.max_concurrent_calls)
+    }
+
     /// A server builder with these HTTP/2 settings, `outermost` (the
-    /// BatchStream layer, each of whose messages is a call), then the cap on
-    /// calls in flight.
-    pub fn server<L>(&self, outermost: L) -> Server<Stack<CallLimitLayer, Stack<L, Identity>>> {
+    /// BatchStream layer, each of whose messages takes a permit of
+    /// `call_limit` too), then `call_limit`.
+    pub fn server<L>(
+        &self,
+        outermost: L,
+        call_limit: CallLimitLayer,
+    ) -> Server<Stack<CallLimitLayer, Stack<L, Identity>>> {
         Server::builder()
             .max_concurrent_streams(self.max_concurrent_streams)
             .http2_keepalive_interval(Some(self.keepalive_interval))
@@ -96,7 +105,7 @@ impl ConnectionSettings {
             .http2_max_pending_accept_reset_streams(Some(self.max_pending_accept_reset_streams))
             .http2_max_local_error_reset_streams(Some(self.max_local_error_reset_streams))
             .layer(outermost)
-            .layer(CallLimitLayer::new(self.max_concurrent_calls))
+            .layer(call_limit)
     }
 
     /// The gate that counts connections against `max_connections`.

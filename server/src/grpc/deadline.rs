@@ -73,20 +73,43 @@ where
             .headers()
             .get("grpc-timeout")
             .and_then(|value| grpc_timeout(value.as_bytes()));
-        let (timeout, callers_own) = match callers {
-            Some(callers) if callers <= self.request_timeout => (callers, true),
-            _ => (self.request_timeout, false),
-        };
+        let deadline = Deadline::of(callers, self.request_timeout);
         let call = self.inner.call(request);
         Box::pin(async move {
-            match tokio::time::timeout(timeout, call).await {
+            match tokio::time::timeout(deadline.timeout, call).await {
                 Ok(answer) => answer,
-                Err(_) => {
-                    ::metrics::counter!(metrics::REQUEST_TIMEOUTS_TOTAL, "rpc" => rpc).increment(1);
-                    Ok(expired(timeout, callers_own).into_http())
-                }
+                Err(_) => Ok(deadline.expired(rpc).into_http()),
             }
         })
+    }
+}
+
+/// A call's time: the caller's own deadline, or `--request-timeout` when the
+/// caller set none or a longer one.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Deadline {
+    pub timeout: Duration,
+    callers_own: bool,
+}
+
+impl Deadline {
+    pub(super) fn of(callers: Option<Duration>, request_timeout: Duration) -> Self {
+        match callers {
+            Some(callers) if callers <= request_timeout => Self {
+                timeout: callers,
+                callers_own: true,
+            },
+            _ => Self {
+                timeout: request_timeout,
+                callers_own: false,
+            },
+        }
+    }
+
+    /// The answer of `rpc` at the deadline, counted.
+    pub(super) fn expired(self, rpc: &'static str) -> tonic::Status {
+        ::metrics::counter!(metrics::REQUEST_TIMEOUTS_TOTAL, "rpc" => rpc).increment(1);
+        expired(self.timeout, self.callers_own)
     }
 }
 

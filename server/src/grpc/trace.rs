@@ -102,7 +102,7 @@ where
 /// Its level is ERROR so that it exists whenever any line is logged (a
 /// span's level only decides when it is enabled): at `--log-level warn` a
 /// call's warnings still carry its trace id.
-fn call_span(rpc: &'static str, remote: Option<TraceContext>) -> tracing::Span {
+pub(super) fn call_span(rpc: &'static str, remote: Option<TraceContext>) -> tracing::Span {
     let span = tracing::error_span!(
         "rpc",
         rpc,
@@ -133,23 +133,26 @@ fn exported_trace_id(_: &tracing::Span, _: Option<TraceContext>) -> Option<Trace
     None
 }
 
-/// The `--log-calls` line: the RPC, its gRPC code and how long it took
-/// (the span adds the trace id, namespace and outcome).
+/// The `--log-calls` line of a call answered by the HTTP response `answer`.
 fn log_call<E>(rpc: &'static str, answer: &Result<http::Response<Body>, E>, started: Instant) {
+    log_code(rpc, answer.as_ref().ok().map(grpc_code), started);
+}
+
+/// The `--log-calls` line: the RPC, its gRPC code (`None`: the call failed
+/// in transport) and how long it took (the span adds the trace id,
+/// namespace and outcome).
+pub(super) fn log_code(rpc: &'static str, code: Option<tonic::Code>, started: Instant) {
     let duration_ms = started.elapsed().as_secs_f64() * 1000.0;
-    match answer {
-        Ok(response) => {
-            let code = grpc_code(response);
-            tracing::info!(
-                target: CALLS_TARGET,
-                rpc,
-                grpc_code = code as i32,
-                code = ?code,
-                duration_ms,
-                "call"
-            );
-        }
-        Err(_) => tracing::info!(
+    match code {
+        Some(code) => tracing::info!(
+            target: CALLS_TARGET,
+            rpc,
+            grpc_code = code as i32,
+            code = ?code,
+            duration_ms,
+            "call"
+        ),
+        None => tracing::info!(
             target: CALLS_TARGET,
             rpc,
             grpc_code = tonic::Code::Internal as i32,

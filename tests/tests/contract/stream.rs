@@ -531,6 +531,78 @@ async fn a_message_that_is_not_protobuf_ends_the_stream_invalid_argument() {
     assert_error(end, Code::InvalidArgument, "INVALID_ARGUMENT");
 }
 
+#[tokio::test]
+async fn a_messages_batch_is_admitted_and_decoded_as_its_unary_calls_and_fails_alone() {
+    let app = spawn_app_with(|_| {}).await;
+    let max = idempotency_server::domain::Limits::default().max_batch_items;
+    let ids: Vec<_> = (0..=max)
+        .map(|_| record_id(&unique_key("stream-oversized")))
+        .collect();
+    let oversized = |id| {
+        message(
+            id,
+            Batch::Acquire(pb::BatchAcquireRequest {
+                requests: ids.iter().map(|id| acquire_item(id, b"fp")).collect(),
+            }),
+        )
+    };
+    let empty = message(2, Batch::Complete(pb::BatchCompleteRequest::default()));
+    // Envelopes around batches that are not protobuf: a varint cut off, and
+    // an item of one (the batch's own fields are whole).
+    let undecodable = vec![0x08, 3, 0x22, 2, 0xff, 0xff];
+    let undecodable_item = vec![0x08, 4, 0x22, 4, 0x0a, 2, 0xff, 0xff];
+    let valid = message(
+        5,
+        Batch::Acquire(pb::BatchAcquireRequest {
+            requests: vec![acquire_item(&ids[0], b"fp")],
+        }),
+    );
+    let channel = TestServer::channel_to(app.server.addr).await;
+    let (answers, end) = idempotency_tests::stream::raw_exchange(
+        channel,
+        vec![
+            prost::Message::encode_to_vec(&oversized(1)),
+            prost::Message::encode_to_vec(&empty),
+            undecodable,
+            undecodable_item,
+            prost::Message::encode_to_vec(&valid),
+        ],
+    )
+    .await;
+    end.expect("failed messages fail alone");
+    let mut answers = answers;
+    answers.sort_by_key(|answer| answer.id);
+    let ids_answered: Vec<u64> = answers.iter().map(|answer| answer.id).collect();
+    assert_eq!(ids_answered, [1, 2, 3, 4, 5]);
+    let mut answers = answers.into_iter();
+    // Counted on the wire before decoding, as admission refuses the unary call.
+    let status = message_error(answers.next().unwrap());
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(status.message().contains(&max.to_string()), "{status:?}");
+    // Refused by the handler, naming the field.
+    let status = message_error(answers.next().unwrap());
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert_eq!(
+        status.get_details_bad_request().unwrap().field_violations[0].field,
+        "requests"
+    );
+    // Not protobuf: refused by admission's count, as the unary call is;
+    // an item that is not: INTERNAL, as gRPC's codec answers a unary call.
+    let status = message_error(answers.next().unwrap());
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(
+        status.message().contains("not a valid protobuf"),
+        "{status:?}"
+    );
+    assert_eq!(
+        message_error(answers.next().unwrap()).code(),
+        Code::Internal
+    );
+    let results = acquired(answers.next().unwrap());
+    assert!(matches!(outcome(&results[0]), Outcome::Acquired(_)));
+    assert_eq!(app.db.row_count().await, 1, "only the valid message wrote");
+}
+
 /// Polls /metrics until `series` reads `value`.
 async fn wait_for_metric(server: &TestServer, series: &str, value: f64) -> String {
     for _ in 0..100 {

@@ -1,7 +1,6 @@
 //! A BatchStream message on the wire: its id, deadline, trace context and
-//! batch, read without decoding the batch (the unary call's admission and
-//! handler decode it), and its answer, written around the unary call's
-//! encoded reply.
+//! batch, read without decoding the batch (admission counts its items on
+//! the wire first), and its answer, the batch call's reply encoded in place.
 
 use std::time::Duration;
 
@@ -40,7 +39,7 @@ enum Batch {
     Complete(Bytes),
 }
 
-/// Which unary batch call a message is.
+/// Which batch call a message is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Kind {
     Acquire,
@@ -53,6 +52,14 @@ impl Kind {
         match self {
             Self::Acquire => "/idempotency.v1.IdempotencyService/BatchAcquire",
             Self::Complete => "/idempotency.v1.IdempotencyService/BatchComplete",
+        }
+    }
+
+    /// The unary call's RPC, as spans, logs and metrics name it.
+    pub(super) fn rpc(self) -> &'static str {
+        match self {
+            Self::Acquire => "BatchAcquire",
+            Self::Complete => "BatchComplete",
         }
     }
 
@@ -76,13 +83,13 @@ pub(super) struct Request {
     pub content: Result<Content, Status>,
 }
 
-/// A valid message: the unary call it stands for.
+/// A valid message: the batch call it stands for.
 #[derive(Debug)]
 pub(super) struct Content {
     pub kind: Kind,
     pub batch: Bytes,
     pub timeout: Option<Duration>,
-    /// As sent; the unary call's span checks it as it checks the metadata.
+    /// As sent; the call's span parses it as it parses a unary call's metadata.
     pub traceparent: String,
 }
 
@@ -93,8 +100,8 @@ const MAX_TRACEPARENT_BYTES: usize = 256;
 pub(super) fn read(message: Bytes) -> Result<Request, prost::DecodeError> {
     let envelope = Envelope::decode(message)?;
     // A valid traceparent is 55 characters: a longer one is ignored (a
-    // trace of its own), so that no header of a message's call is larger
-    // than a unary call's could be.
+    // trace of its own) and not kept past the message's charge, which ends
+    // before the call is answered.
     let mut traceparent = envelope.traceparent;
     if traceparent.len() > MAX_TRACEPARENT_BYTES {
         traceparent = String::new();
@@ -135,13 +142,14 @@ fn invalid(field: &str, description: &str) -> Status {
     to_status("BatchStream", InvalidField::new(field, description).into())
 }
 
-/// The answer carrying a unary batch call's encoded reply, as a gRPC
-/// message (its prefix included).
-pub(super) fn answer(id: u64, kind: Kind, reply: &[u8]) -> Bytes {
-    let mut answer = start(id, reply.len());
+/// The answer carrying a batch call's reply, as a gRPC message (its prefix
+/// included), encoded once, in place.
+pub(super) fn answer(id: u64, kind: Kind, reply: &impl Message) -> Bytes {
+    let length = reply.encoded_len();
+    let mut answer = start(id, length);
     encode_key(kind.answer_tag(), WireType::LengthDelimited, &mut answer);
-    encode_varint(reply.len() as u64, &mut answer);
-    answer.put_slice(reply);
+    encode_varint(length as u64, &mut answer);
+    reply.encode_raw(&mut answer);
     framed(answer)
 }
 
@@ -247,7 +255,7 @@ mod tests {
         let reply = pb::BatchAcquireResponse {
             results: vec![pb::BatchAcquireResult::default()],
         };
-        let answer = answer(9, Kind::Acquire, &reply.encode_to_vec());
+        let answer = answer(9, Kind::Acquire, &reply);
         let decoded = pb::BatchStreamResponse::decode(unframed(answer)).unwrap();
         assert_eq!(decoded.id, 9);
         assert_eq!(
@@ -255,7 +263,7 @@ mod tests {
             Some(pb::batch_stream_response::Result::Acquire(reply))
         );
         let completed = pb::BatchCompleteResponse::default();
-        let answer = super::answer(10, Kind::Complete, &completed.encode_to_vec());
+        let answer = super::answer(10, Kind::Complete, &completed);
         let decoded = pb::BatchStreamResponse::decode(unframed(answer)).unwrap();
         assert_eq!(
             decoded.result,

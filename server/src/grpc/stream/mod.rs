@@ -3,23 +3,24 @@
 //!
 //! [`StreamLayer`] sits outermost on the gRPC port and answers the stream's
 //! path itself; every other call passes through. Each message of a stream
-//! becomes the unary BatchAcquire or BatchComplete call it stands for, with
-//! the stream's metadata and connection and the message's own deadline and
-//! trace context, and goes through the layers below (the call limit, the
-//! span, auth, the deadline, admission) to the service's handler. So a
-//! message is served by the same code as the unary call, and answered as it.
+//! is served as the unary BatchAcquire or BatchComplete call it stands for,
+//! with the stream's credential and the message's own deadline and trace
+//! context: the same checks in the same order as the layers below apply to
+//! a unary call (the call limit, the span, auth, the deadline, admission),
+//! then the service's handler, called directly. So a message is answered as
+//! the unary call would be, without an HTTP request and codec of its own.
 //!
 //! - [`frames`]: the stream's messages, each charged to the memory budget
 //!   before it is read;
 //! - [`envelope`]: a message's id, deadline, trace context and batch, and its
 //!   answer, without decoding the batch;
-//! - [`message`]: one message as a unary call, and its reply;
+//! - [`call`]: one message served as its batch call;
 //! - [`slots`]: how many streams may be open, per server, connection and principal;
 //! - [`session`]: one stream's life: reading, serving, answering, ending.
 
+mod call;
 mod envelope;
 mod frames;
-mod message;
 mod session;
 mod slots;
 
@@ -41,8 +42,9 @@ use super::{
 use crate::{
     domain::Limits,
     metrics::{GRPC_STREAMS_ENDED_TOTAL, GRPC_STREAMS_REFUSED_TOTAL},
-    security::{Auth, tls::TlsConnectInfo},
+    security::tls::TlsConnectInfo,
 };
+pub use call::Calls;
 pub use slots::SlotLimits;
 
 /// Why a stream is refused at open, as `idempotency_grpc_streams_refused_total` labels it.
@@ -103,19 +105,20 @@ pub struct StreamLayer {
 struct Shared {
     settings: StreamSettings,
     slots: Arc<slots::Slots>,
-    auth: Option<Arc<Auth>>,
+    calls: Arc<Calls>,
     budget: Arc<MemoryBudget>,
     max_message_bytes: usize,
     draining: watch::Receiver<bool>,
 }
 
 impl StreamLayer {
-    /// The layer, and the handle that starts its streams' drain.
+    /// The layer, and the handle that starts its streams' drain. `calls`
+    /// serves the messages.
     pub fn new(
         settings: StreamSettings,
         limits: &Limits,
         budget: Arc<MemoryBudget>,
-        auth: Option<Arc<Auth>>,
+        calls: Calls,
     ) -> (Self, Drain) {
         let (drain, draining) = watch::channel(false);
         // Registered once, and exported from the start.
@@ -132,7 +135,7 @@ impl StreamLayer {
         let shared = Shared {
             settings,
             slots: slots::Slots::new(settings.slots),
-            auth,
+            calls: Arc::new(calls),
             budget,
             max_message_bytes: max_batch + ENVELOPE_BYTES,
             draining,
@@ -164,12 +167,7 @@ pub struct Streams<S> {
 
 impl<S> tower::Service<http::Request<Body>> for Streams<S>
 where
-    S: tower::Service<http::Request<Body>, Response = http::Response<Body>>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-    S::Error: std::fmt::Display + Send,
+    S: tower::Service<http::Request<Body>, Response = http::Response<Body>>,
 {
     type Response = http::Response<Body>;
     type Error = S::Error;
@@ -183,21 +181,13 @@ where
         if request.uri().path() != PATH {
             return Either::Left(self.inner.call(request));
         }
-        Either::Right(ready(Ok(open(&self.shared, self.inner.clone(), request))))
+        Either::Right(ready(Ok(open(&self.shared, request))))
     }
 }
 
 /// Opens a stream: checks who calls and whether a slot is free, then serves
 /// it in a task of its own, answering through the response's body.
-fn open<S>(shared: &Arc<Shared>, inner: S, request: http::Request<Body>) -> http::Response<Body>
-where
-    S: tower::Service<http::Request<Body>, Response = http::Response<Body>>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-    S::Error: std::fmt::Display + Send,
-{
+fn open(shared: &Arc<Shared>, request: http::Request<Body>) -> http::Response<Body> {
     let (parts, body) = request.into_parts();
     if !is_grpc(&parts.headers) {
         return refused(
@@ -215,7 +205,7 @@ where
             ),
         );
     }
-    let caller = match &shared.auth {
+    let caller = match &shared.calls.auth {
         None => None,
         Some(auth) => match authenticate(auth, PATH, &parts.headers, &parts.extensions) {
             Ok(caller) => Some(caller),
@@ -237,9 +227,11 @@ where
         ))
         .max(MIN_AGE);
     let frames = frames::Frames::new(body, shared.max_message_bytes, shared.budget.clone());
-    let template = message::Template::new(parts.headers, parts.extensions);
-    let (session, answers) =
-        session::Session::new(inner, template, frames, shared.clone(), slot, age);
+    let origin = call::Origin {
+        headers: parts.headers,
+        extensions: parts.extensions,
+    };
+    let (session, answers) = session::Session::new(origin, frames, shared.clone(), slot, age);
     tokio::spawn(session.run());
     let mut response = http::Response::new(Body::new(answers));
     response.headers_mut().insert(

@@ -1,12 +1,13 @@
 //! One stream's life in a task of its own: read a message when fewer than
-//! `max_in_flight` are in flight, serve it as its unary call, queue its
+//! `max_in_flight` are in flight, serve it as its batch call, queue its
 //! answer for the response body, and end the stream for one of [`End`]'s
 //! reasons, answering what was read first where the reason allows.
 //!
 //! The answers are written by the response body as HTTP/2 takes them. A
-//! message's slot, its memory charge and its reply are held until then, so a
-//! caller that stops reading stops the server reading its stream too, and
-//! one that leaves answers unread for `write_timeout` loses the stream.
+//! message's slot and its memory charge (its reply's bytes included) are
+//! held until then, so a caller that stops reading stops the server reading
+//! its stream too, and one that leaves answers unread for `write_timeout`
+//! loses the stream.
 
 use std::{
     pin::Pin,
@@ -29,13 +30,13 @@ use tokio::{
     sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch},
     time::{Duration, Instant},
 };
-use tonic::{Code, Status, body::Body};
+use tonic::Status;
 
 use super::{
     End, Shared,
+    call::Origin,
     envelope::{self, Request},
     frames::{Frames, invalid},
-    message::{self, Template},
     slots::Slot,
 };
 use crate::grpc::admission::Charge;
@@ -49,11 +50,11 @@ pub(super) enum Item {
 }
 
 /// What a message holds from being read until its answer is written: its
-/// place among the stream's messages in flight, and the unary call's reply
-/// (whose charge to the memory budget admission keeps in its body).
+/// place among the stream's messages in flight, and its call's charge to the
+/// memory budget (its reply's bytes included).
 pub(super) struct Held {
     _permit: OwnedSemaphorePermit,
-    reply: Option<Body>,
+    charge: Option<Charge>,
     gauge: Gauge,
 }
 
@@ -63,7 +64,7 @@ impl Held {
         gauge.increment(1.0);
         Self {
             _permit: permit,
-            reply: None,
+            charge: None,
             gauge,
         }
     }
@@ -138,9 +139,8 @@ impl Unread {
 /// sees it gone (`answers.closed()`) when the caller went away.
 type Queue = Mutex<mpsc::Receiver<Item>>;
 
-pub(super) struct Session<S> {
-    inner: S,
-    template: Template,
+pub(super) struct Session {
+    origin: Origin,
     frames: Frames,
     answers: mpsc::Sender<Item>,
     queue: Weak<Queue>,
@@ -151,19 +151,10 @@ pub(super) struct Session<S> {
     _slot: Slot,
 }
 
-impl<S> Session<S>
-where
-    S: tower::Service<http::Request<Body>, Response = http::Response<Body>>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-    S::Error: std::fmt::Display + Send,
-{
+impl Session {
     /// The session, and the response body that writes its answers.
     pub(super) fn new(
-        inner: S,
-        template: Template,
+        origin: Origin,
         frames: Frames,
         shared: Arc<Shared>,
         slot: Slot,
@@ -174,8 +165,7 @@ where
         let unread = Unread::new();
         let queue = Arc::new(Mutex::new(receiver));
         let session = Self {
-            inner,
-            template,
+            origin,
             frames,
             answers: sender,
             queue: Arc::downgrade(&queue),
@@ -275,7 +265,7 @@ where
     }
 
     /// Drops the answers a slow reader left unread, and with them what they
-    /// hold (their slots, charges and replies): the caller that stopped
+    /// hold (their slots and charges): the caller that stopped
     /// reading gets only the stream's end.
     fn discard_unread(&self) {
         if let Some(queue) = self.queue.upgrade() {
@@ -284,29 +274,20 @@ where
         }
     }
 
-    /// Serves one message: its unary call, or its own error at once. The
-    /// message's `charge` ends once its bytes are copied into the call's
-    /// request, which admission charges in turn, as it charges a unary call.
+    /// Serves one message: its batch call, or its own error at once. The
+    /// message's `charge` ends once the call is admitted, which charges it
+    /// in turn, as admission charges a unary call.
     fn serve(&self, request: Request, mut held: Held, charge: Charge) -> Serving {
         let id = request.id;
         let content = match request.content {
             Ok(content) => content,
             Err(status) => return Box::pin(ready((envelope::error(id, &status), held, None))),
         };
-        let kind = content.kind;
-        let unary = self.template.request(content);
-        drop(charge);
-        let call = message::call(self.inner.clone(), unary);
+        let served = self.shared.calls.serve(id, content, &self.origin, charge);
         Box::pin(async move {
-            let reply = call.await;
-            held.reply = reply.held;
-            match reply.result {
-                Ok(encoded) => (envelope::answer(id, kind, &encoded), held, None),
-                Err(status) => {
-                    let ends = (status.code() == Code::Unauthenticated).then(|| status.clone());
-                    (envelope::error(id, &status), held, ends)
-                }
-            }
+            let served = served.await;
+            held.charge = served.charge;
+            (served.answer, held, served.unauthenticated)
         })
     }
 }
