@@ -218,3 +218,108 @@ impl tonic::codec::Encoder for RawEncoder {
         Ok(())
     }
 }
+
+/// A BatchStream spoken in raw HTTP/2 body bytes, below gRPC's framing: for
+/// what no gRPC client sends (a message cut off, a compressed flag, a
+/// `grpc-encoding` at open).
+pub struct RawStream {
+    sender: Option<mpsc::UnboundedSender<Result<http_body::Frame<bytes::Bytes>, Status>>>,
+    response: http::Response<tonic::body::Body>,
+}
+
+impl RawStream {
+    /// Opens a stream on `channel` with `headers` beside the gRPC ones.
+    pub async fn open(channel: Channel, headers: &[(&'static str, &'static str)]) -> Self {
+        use tower::ServiceExt as _;
+        let (sender, receiver) = mpsc::unbounded_channel();
+        let body = http_body_util::StreamBody::new(UnboundedReceiverStream::new(receiver));
+        let mut request = http::Request::builder()
+            .method(http::Method::POST)
+            .uri(format!("http://localhost{STREAM_PATH}"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers");
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let request = request
+            .body(tonic::body::Body::new(body))
+            .expect("a valid request");
+        let response = tokio::time::timeout(PATIENCE, channel.oneshot(request))
+            .await
+            .expect("the server answers the stream's headers")
+            .expect("the connection carries the stream");
+        Self {
+            sender: Some(sender),
+            response,
+        }
+    }
+
+    /// Sends `bytes` as they are, as one DATA frame.
+    pub fn send(&self, bytes: &[u8]) {
+        self.sender
+            .as_ref()
+            .expect("the stream is not closed")
+            .send(Ok(http_body::Frame::data(bytes::Bytes::copy_from_slice(
+                bytes,
+            ))))
+            .expect("the request body is still read");
+    }
+
+    /// The answers, then how the stream ended, leaving the caller's side open
+    /// (a trailers-only refusal at open gives no answers).
+    pub async fn end(self) -> (Vec<pb::BatchStreamResponse>, Result<(), Status>) {
+        use http_body_util::BodyExt as _;
+        use prost::Message as _;
+        let (parts, mut body) = self.response.into_parts();
+        if let Some(status) = Status::from_header_map(&parts.headers) {
+            return (Vec::new(), ok_or(status));
+        }
+        let mut data = bytes::BytesMut::new();
+        let status = loop {
+            let frame = tokio::time::timeout(PATIENCE, body.frame())
+                .await
+                .expect("the stream ends within the test's patience");
+            match frame {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(chunk) => data.extend_from_slice(&chunk),
+                    Err(frame) => {
+                        let trailers = frame.into_trailers().expect("data or trailers");
+                        break Status::from_header_map(&trailers).expect("a grpc-status");
+                    }
+                },
+                Some(Err(status)) => break status,
+                None => panic!("the stream ended without trailers"),
+            }
+        };
+        drop(self.sender);
+        let mut answers = Vec::new();
+        let mut data = data.freeze();
+        while !data.is_empty() {
+            assert_eq!(data[0], 0, "answers are not compressed");
+            let length = u32::from_be_bytes(data[1..5].try_into().unwrap()) as usize;
+            let message = data.split_to(5 + length).split_off(5);
+            answers.push(pb::BatchStreamResponse::decode(message).expect("an answer"));
+        }
+        (answers, ok_or(status))
+    }
+}
+
+const STREAM_PATH: &str = "/idempotency.v1.IdempotencyStreamService/BatchStream";
+
+fn ok_or(status: Status) -> Result<(), Status> {
+    if status.code() == tonic::Code::Ok {
+        Ok(())
+    } else {
+        Err(status)
+    }
+}
+
+/// `message` as gRPC frames it: uncompressed, its length, then its bytes.
+pub fn framed(message: &pb::BatchStreamRequest) -> Vec<u8> {
+    use prost::Message as _;
+    let encoded = message.encode_to_vec();
+    let mut framed = vec![0];
+    framed.extend_from_slice(&(encoded.len() as u32).to_be_bytes());
+    framed.extend_from_slice(&encoded);
+    framed
+}

@@ -10,7 +10,7 @@ use idempotency_client::pb::{
 };
 use idempotency_tests::{
     TestApp, TestServer, http_get, metric_value, record_id, response, spawn_app_with,
-    stream::{OpenStream, acquired, completed, message, message_error},
+    stream::{OpenStream, RawStream, acquired, completed, framed, message, message_error},
     unique_key,
 };
 use tonic::Code;
@@ -601,6 +601,77 @@ async fn a_messages_batch_is_admitted_and_decoded_as_its_unary_calls_and_fails_a
     let results = acquired(answers.next().unwrap());
     assert!(matches!(outcome(&results[0]), Outcome::Acquired(_)));
     assert_eq!(app.db.row_count().await, 1, "only the valid message wrote");
+}
+
+#[tokio::test]
+async fn a_compressed_message_ends_the_stream_invalid_argument_after_answering_the_rest() {
+    let app = spawn_app_with(|_| {}).await;
+    let key = record_id(&unique_key("raw-compressed"));
+    let channel = TestServer::channel_to(app.server.addr).await;
+    let stream = RawStream::open(channel, &[]).await;
+    stream.send(&framed(&message(
+        1,
+        Batch::Acquire(pb::BatchAcquireRequest {
+            requests: vec![acquire_item(&key, b"fp")],
+        }),
+    )));
+    // The compressed flag set, on an id field.
+    stream.send(&[1, 0, 0, 0, 2, 0x08, 0x02]);
+    let (answers, end) = stream.end().await;
+    assert_eq!(answers.len(), 1, "the message before it is answered");
+    let status = assert_error(end, Code::InvalidArgument, "INVALID_ARGUMENT");
+    assert!(status.message().contains("compressed"), "{status:?}");
+}
+
+#[tokio::test]
+async fn a_stream_opened_with_a_grpc_encoding_is_refused_invalid_argument() {
+    let app = spawn_app_with(|_| {}).await;
+    let channel = TestServer::channel_to(app.server.addr).await;
+    let stream = RawStream::open(channel, &[("grpc-encoding", "gzip")]).await;
+    let (answers, end) = stream.end().await;
+    assert!(answers.is_empty());
+    let status = assert_error(end, Code::InvalidArgument, "INVALID_ARGUMENT");
+    assert!(status.message().contains("grpc-encoding"), "{status:?}");
+    let page = metrics(&app.server).await;
+    assert_eq!(
+        metric_value(
+            &page,
+            "idempotency_grpc_streams_refused_total{reason=\"bad_message\"}"
+        ),
+        Some(1.0),
+        "{page}"
+    );
+}
+
+#[tokio::test]
+async fn a_message_cut_off_ends_the_stream_by_the_request_timeout_and_frees_its_charge() {
+    let app = spawn_app_with(|settings| settings.request_timeout = Duration::from_secs(3)).await;
+    let key = record_id(&unique_key("raw-cut"));
+    let channel = TestServer::channel_to(app.server.addr).await;
+    let stream = RawStream::open(channel, &[]).await;
+    stream.send(&framed(&message(
+        1,
+        Batch::Acquire(pb::BatchAcquireRequest {
+            requests: vec![acquire_item(&key, b"fp")],
+        }),
+    )));
+    // A prefix announcing 100,000 bytes, then ten of them, and the caller's
+    // side left open: the stream ends by the request timeout (within the
+    // test's patience), not by the idle timeout's five minutes.
+    let mut cut = vec![0];
+    cut.extend_from_slice(&100_000u32.to_be_bytes());
+    cut.extend_from_slice(&[0x08; 10]);
+    stream.send(&cut);
+    let page = wait_for_metric(&app.server, "idempotency_in_flight_bytes", 100_000.0).await;
+    assert!(
+        page.contains("idempotency_in_flight_bytes 100000"),
+        "charged from its prefix"
+    );
+    let (answers, end) = stream.end().await;
+    assert_eq!(answers.len(), 1, "the message before it is answered");
+    let status = assert_error(end, Code::InvalidArgument, "INVALID_ARGUMENT");
+    assert!(status.message().contains("not sent in full"), "{status:?}");
+    wait_for_metric(&app.server, "idempotency_in_flight_bytes", 0.0).await;
 }
 
 /// Polls /metrics until `series` reads `value`.
