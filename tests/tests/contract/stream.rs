@@ -579,7 +579,7 @@ async fn a_messages_batch_is_admitted_and_decoded_as_its_unary_calls_and_fails_a
     let status = message_error(answers.next().unwrap());
     assert_eq!(status.code(), Code::InvalidArgument);
     assert!(status.message().contains(&max.to_string()), "{status:?}");
-    // Refused by the handler, naming the field.
+    // Refused as the unary call is (admission counts no item), naming the field.
     let status = message_error(answers.next().unwrap());
     assert_eq!(status.code(), Code::InvalidArgument);
     assert_eq!(

@@ -275,8 +275,8 @@ impl Session {
     }
 
     /// Serves one message: its batch call, or its own error at once. The
-    /// message's `charge` ends once the call is admitted, which charges it
-    /// in turn, as admission charges a unary call.
+    /// message's `charge` ends just before the call is admitted, which
+    /// charges it in turn, as admission charges a unary call.
     fn serve(&self, request: Request, mut held: Held, charge: Charge) -> Serving {
         let id = request.id;
         let content = match request.content {
