@@ -603,10 +603,9 @@ async fn a_messages_batch_is_admitted_and_decoded_as_its_unary_calls_and_fails_a
     assert_eq!(app.db.row_count().await, 1, "only the valid message wrote");
 }
 
-#[tokio::test]
-async fn a_compressed_message_ends_the_stream_invalid_argument_after_answering_the_rest() {
-    let app = spawn_app_with(|_| {}).await;
-    let key = record_id(&unique_key("raw-compressed"));
+/// A raw stream on which one valid Acquire of a new key was sent.
+async fn raw_stream_with_one_acquire(app: &TestApp, label: &str) -> RawStream {
+    let key = record_id(&unique_key(label));
     let channel = TestServer::channel_to(app.server.addr).await;
     let stream = RawStream::open(channel, &[]).await;
     stream.send(&framed(&message(
@@ -615,6 +614,13 @@ async fn a_compressed_message_ends_the_stream_invalid_argument_after_answering_t
             requests: vec![acquire_item(&key, b"fp")],
         }),
     )));
+    stream
+}
+
+#[tokio::test]
+async fn a_compressed_message_ends_the_stream_invalid_argument_after_answering_the_rest() {
+    let app = spawn_app_with(|_| {}).await;
+    let stream = raw_stream_with_one_acquire(&app, "raw-compressed").await;
     // The compressed flag set, on an id field.
     stream.send(&[1, 0, 0, 0, 2, 0x08, 0x02]);
     let (answers, end) = stream.end().await;
@@ -646,15 +652,7 @@ async fn a_stream_opened_with_a_grpc_encoding_is_refused_invalid_argument() {
 #[tokio::test]
 async fn a_message_cut_off_ends_the_stream_by_the_request_timeout_and_frees_its_charge() {
     let app = spawn_app_with(|settings| settings.request_timeout = Duration::from_secs(3)).await;
-    let key = record_id(&unique_key("raw-cut"));
-    let channel = TestServer::channel_to(app.server.addr).await;
-    let stream = RawStream::open(channel, &[]).await;
-    stream.send(&framed(&message(
-        1,
-        Batch::Acquire(pb::BatchAcquireRequest {
-            requests: vec![acquire_item(&key, b"fp")],
-        }),
-    )));
+    let stream = raw_stream_with_one_acquire(&app, "raw-cut").await;
     // A prefix announcing 100,000 bytes, then ten of them, and the caller's
     // side left open: the stream ends by the request timeout (within the
     // test's patience), not by the idle timeout's five minutes.
